@@ -1,0 +1,335 @@
+"""Place a parsed `Allocation` on a cluster of ``nodes × devices_per_node`` devices.
+
+What it decides:
+
+* **Order.** Generation servers come first, then the training components (decoupled). Colocated
+  components (a ``|`` group) share one list of devices: every component of the group maps its
+  ranks, or servers, onto that same list in order.
+* **Generation servers.** Server ``i`` gets ``p×t`` consecutive devices on one node; a server that
+  would straddle a node boundary starts on the next node instead (the skipped devices stay idle).
+  Only a server larger than a node (``p×t > devices_per_node``) spans nodes, and then it starts on
+  a node boundary and takes whole nodes.
+* **Learner ranks.** Megatron order, tensor fastest, then context, then data, then pipeline::
+
+      rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+  Rank ``r`` runs on the ``r``-th device of its group, devices being handed out in blocks of
+  ``lcm`` of the group's tensor sizes (and its server size, when colocated with generation); a
+  block never straddles nodes unless it is larger than a node. So every tensor-parallel group sits
+  inside one node whenever ``tp ≤ devices_per_node`` (and the group's sizes are powers of two, the
+  usual case).
+* **Capacity.** A plan needing more nodes than given raises `AllocationError` with a hint such as
+  ``needs 32 devices but 2 nodes × 8 = 16: pass --nodes 4``.
+
+Devices are identified by ``(node, local device index)``. Nothing is started here; this module is
+pure and imports neither torch nor redis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from allocation.errors import AllocationError
+from allocation.parser import parse_allocation
+from allocation.spec import Allocation, TrainingSpec
+
+DEFAULT_DEVICES_PER_NODE = 8
+MAX_PLACED_DEVICES = 1 << 20
+"""Larger plans are refused (placement lists every device)."""
+
+
+@dataclass(frozen=True)
+class ServerPlacement:
+    """One generation server: its index (its data-parallel rank) and its devices."""
+
+    index: int
+    slots: tuple[tuple[int, int], ...]
+    """``(node, local device)`` per device, in tensor/pipeline order."""
+
+    @property
+    def node(self) -> int:
+        """The (first) node the server runs on."""
+        return self.slots[0][0]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Local device ids, parallel to `nodes`."""
+        return tuple(d for _, d in self.slots)
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The node of each device (all equal unless the server is larger than a node)."""
+        return tuple(n for n, _ in self.slots)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """One learner rank: where it runs and its coordinates in the DP×PP×CP×TP grid."""
+
+    component: str
+    rank: int
+    node: int
+    device: int
+    dp_rank: int
+    pp_rank: int
+    cp_rank: int
+    tp_rank: int
+
+
+@dataclass(frozen=True)
+class ComponentPlacement:
+    """All ranks of one training component (actor, critic, ...)."""
+
+    spec: TrainingSpec
+    ranks: tuple[RankPlacement, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every server and learner rank of an allocation runs."""
+
+    allocation: Allocation
+    nodes: int
+    devices_per_node: int
+    servers: tuple[ServerPlacement, ...]
+    training: tuple[ComponentPlacement, ...]
+
+    @property
+    def ranks(self) -> tuple[RankPlacement, ...]:
+        """Ranks of the first (primary) training component, or () without training."""
+        return self.training[0].ranks if self.training else ()
+
+    @property
+    def used_devices(self) -> frozenset[tuple[int, int]]:
+        used = {slot for s in self.servers for slot in s.slots}
+        used.update((r.node, r.device) for c in self.training for r in c.ranks)
+        return frozenset(used)
+
+    @property
+    def cluster_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape printed by ``launcher plan --json``."""
+        alloc = self.allocation
+        gen: dict[str, Any] | None = None
+        if alloc.generation is not None:
+            g = alloc.generation
+            gen = {
+                "backend": g.backend,
+                "name": g.name,
+                "dp": g.dp,
+                "tp": g.tp,
+                "pp": g.pp,
+                "server_size": g.server_size,
+                "world_size": g.world_size,
+                "servers": [
+                    {"index": s.index, "node": s.node, "devices": list(s.devices), "nodes": list(s.nodes)}
+                    for s in self.servers
+                ],
+            }
+        components = [_component_dict(c) for c in self.training]
+        return {
+            "allocation": str(alloc),
+            "total_devices": alloc.total_devices,
+            "kind": alloc.kind,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "generation": gen,
+            "training": components[0] if components else None,
+            "colocated_training": components[1:],
+        }
+
+
+def _component_dict(c: ComponentPlacement) -> dict[str, Any]:
+    t = c.spec
+    ffn = None
+    if t.ffn is not None:
+        ffn = {"dp": t.ffn.dp, "pp": t.ffn.pp, "tp": t.ffn.tp, "ep": t.ffn.ep}
+    return {
+        "backend": t.backend,
+        "name": t.name,
+        "dp": t.dp,
+        "pp": t.pp,
+        "tp": t.tp,
+        "cp": t.cp,
+        "ep": t.ep,
+        "world_size": t.world_size,
+        "ffn": ffn,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "node": r.node,
+                "device": r.device,
+                "dp_rank": r.dp_rank,
+                "pp_rank": r.pp_rank,
+                "tp_rank": r.tp_rank,
+                "cp_rank": r.cp_rank,
+            }
+            for r in c.ranks
+        ],
+    }
+
+
+class _Cursor:
+    """Hands out blocks of consecutive global device indexes on an unbounded row of nodes."""
+
+    def __init__(self, devices_per_node: int) -> None:
+        self.g = devices_per_node
+        self.pos = 0
+
+    def take(self, size: int) -> list[int]:
+        offset = self.pos % self.g
+        if size <= self.g:
+            if offset + size > self.g:
+                self.pos += self.g - offset
+            block = list(range(self.pos, self.pos + size))
+            self.pos += size
+        else:
+            if offset:
+                self.pos += self.g - offset
+            block = list(range(self.pos, self.pos + size))
+            self.pos += math.ceil(size / self.g) * self.g
+        return block
+
+    def take_group(self, world: int, block: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(world // block):
+            out.extend(self.take(block))
+        return out
+
+
+def _block_size(sizes: list[int]) -> int:
+    block = 1
+    for s in sizes:
+        block = math.lcm(block, s)
+    return block
+
+
+def _layout(alloc: Allocation, devices_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Global device indexes per server and per training component (rank order)."""
+    if alloc.total_devices > MAX_PLACED_DEVICES:
+        raise AllocationError(
+            f"the plan needs {alloc.total_devices} devices; placement handles at most {MAX_PLACED_DEVICES}",
+            alloc.source or str(alloc),
+            0,
+            "use smaller d, p, t or c sizes",
+        )
+    gen = alloc.generation
+    cursor = _Cursor(devices_per_node)
+    tps: list[int] = []
+    for t in alloc.training_components:
+        tps.append(t.tp)
+        if t.ffn is not None:
+            tps.append(t.ffn.tp)
+    servers: list[list[int]] = []
+    if alloc.colocated and gen is not None:
+        world = alloc.total_devices
+        shared = cursor.take_group(world, _block_size([*tps, gen.server_size]))
+        servers = [shared[i * gen.server_size : (i + 1) * gen.server_size] for i in range(gen.num_servers)]
+        return servers, [shared[: t.world_size] for t in alloc.training_components]
+    if gen is not None:
+        servers = [cursor.take(gen.server_size) for _ in range(gen.num_servers)]
+    training: list[list[int]] = []
+    if alloc.training_components:
+        world = alloc.training_components[0].world_size
+        shared = cursor.take_group(world, _block_size(tps))
+        training = [shared[: t.world_size] for t in alloc.training_components]
+    return servers, training
+
+
+def nodes_needed(alloc: Allocation, devices_per_node: int) -> int:
+    """Smallest node count on which `place` succeeds with ``devices_per_node`` devices per node."""
+    if devices_per_node < 1:
+        raise AllocationError(
+            f"devices per node must be at least 1, got {devices_per_node}",
+            alloc.source or str(alloc),
+            0,
+            "pass --devices-per-node 1 or more",
+        )
+    servers, training = _layout(alloc, devices_per_node)
+    highest = max((d for group in (*servers, *training) for d in group), default=-1)
+    return max(1, highest // devices_per_node + 1)
+
+
+def resolve_cluster(alloc: Allocation, nodes: int | None, devices_per_node: int | None) -> tuple[int, int]:
+    """Fill in a missing node count or node size the way ``launcher plan`` does.
+
+    Neither given: one node with exactly the devices needed. Only ``devices_per_node``: as many
+    nodes as the plan needs. Only ``nodes``: 8 devices per node.
+    """
+    if nodes is None and devices_per_node is None:
+        return 1, alloc.total_devices
+    if nodes is None:
+        assert devices_per_node is not None
+        return nodes_needed(alloc, devices_per_node), devices_per_node
+    return nodes, devices_per_node if devices_per_node is not None else DEFAULT_DEVICES_PER_NODE
+
+
+def _coordinates(spec: TrainingSpec, rank: int) -> tuple[int, int, int, int]:
+    """(dp_rank, pp_rank, cp_rank, tp_rank) of a rank: tp fastest, then cp, dp, pp."""
+    tp_rank = rank % spec.tp
+    cp_rank = (rank // spec.tp) % spec.cp
+    dp_rank = (rank // (spec.tp * spec.cp)) % spec.dp
+    pp_rank = rank // (spec.tp * spec.cp * spec.dp)
+    return dp_rank, pp_rank, cp_rank, tp_rank
+
+
+def rank_of(spec: TrainingSpec, dp_rank: int, pp_rank: int, cp_rank: int, tp_rank: int) -> int:
+    """Inverse of the coordinates: ``((pp_rank*dp + dp_rank)*cp + cp_rank)*tp + tp_rank``."""
+    return ((pp_rank * spec.dp + dp_rank) * spec.cp + cp_rank) * spec.tp + tp_rank
+
+
+def place(
+    alloc: Allocation | str,
+    nodes: int | None = None,
+    devices_per_node: int | None = None,
+) -> Placement:
+    """Assign every generation server and learner rank its node and devices.
+
+    ``alloc`` may be a string (parsed first). Missing cluster sizes are filled in by
+    `resolve_cluster`. Raises `AllocationError` if the allocation does not fit.
+    """
+    if isinstance(alloc, str):
+        alloc = parse_allocation(alloc)
+    source = alloc.source or str(alloc)
+    nodes, g = resolve_cluster(alloc, nodes, devices_per_node)
+    if g < 1:
+        raise AllocationError(
+            f"devices per node must be at least 1, got {g}", source, 0, "pass --devices-per-node 1 or more"
+        )
+    if nodes < 1:
+        raise AllocationError(f"node count must be at least 1, got {nodes}", source, 0, "pass --nodes 1 or more")
+    need = nodes_needed(alloc, g)
+    total = alloc.total_devices
+    if total > nodes * g:
+        raise AllocationError(
+            f"the plan needs {total} devices but the cluster has {nodes * g}",
+            source,
+            0,
+            f"needs {total} devices but {nodes} nodes × {g} = {nodes * g}: pass --nodes {need}",
+        )
+    if need > nodes:
+        raise AllocationError(
+            f"the plan needs {need} nodes of {g} devices but the cluster has {nodes}",
+            source,
+            0,
+            f"servers and tensor-parallel groups stay inside one node, so {total} devices need "
+            f"{need} nodes × {g}: pass --nodes {need}",
+        )
+    server_idx, training_idx = _layout(alloc, g)
+    servers = tuple(
+        ServerPlacement(i, tuple((d // g, d % g) for d in devs)) for i, devs in enumerate(server_idx)
+    )
+    comps: list[ComponentPlacement] = []
+    for spec, devs in zip(alloc.training_components, training_idx):
+        ranks = []
+        for r, d in enumerate(devs):
+            dp_rank, pp_rank, cp_rank, tp_rank = _coordinates(spec, r)
+            ranks.append(RankPlacement(spec.name, r, d // g, d % g, dp_rank, pp_rank, cp_rank, tp_rank))
+        comps.append(ComponentPlacement(spec, tuple(ranks)))
+    return Placement(alloc, nodes, g, servers, tuple(comps))
+
+

@@ -1,0 +1,1 @@
+"""The learner: layout, algorithms (pure functions), training step, checkpoints. Never imports engine."""

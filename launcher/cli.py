@@ -1,0 +1,68 @@
+"""Command line: `launcher plan|run|status|stop`.
+
+Each sub-command lives in its own module; this file only parses arguments and dispatches, so that
+`launcher plan` never imports torch (the plan is pure and must answer instantly on a login node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launcher", description="areal_like launcher")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="show where every server and learner rank of an allocation lands")
+    plan.add_argument("--allocation", required=True, help="e.g. 'sglang.d16p1m1+d8p2m1' or 'sglang:d4t2+fsdp:d8'")
+    plan.add_argument("--nodes", type=int, default=None, help="number of nodes (default: one node, just big enough)")
+    plan.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default 8 with --nodes)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    run = sub.add_parser("run", help="start a training run and supervise it until it ends")
+    run.add_argument("--allocation", default=None, help="allocation string (default: the config's `allocation`)")
+    run.add_argument("--config", default="configs/demo.yaml", help="YAML experiment config")
+    run.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and summary.json go")
+    run.add_argument("--backend", default="local", choices=["local"], help="where roles run")
+    run.add_argument("overrides", nargs="*", help="config overrides, a.b.c=value")
+
+    status = sub.add_parser("status", help="show the state of a run from its run directory")
+    status.add_argument("--run-dir", required=True)
+
+    stop = sub.add_parser("stop", help="stop a run started by `launcher run` (by its recorded PIDs)")
+    stop.add_argument("--run-dir", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:  # `launcher plan … | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
+
+
+def _dispatch(argv: list[str] | None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "plan":
+        from launcher.plan import cmd_plan
+
+        return cmd_plan(args)
+    if args.command == "run":
+        from launcher.run import cmd_run
+
+        return cmd_run(args)
+    if args.command == "status":
+        from launcher.run import cmd_status
+
+        return cmd_status(args)
+    if args.command == "stop":
+        from launcher.run import cmd_stop
+
+        return cmd_stop(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

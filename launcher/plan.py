@@ -1,0 +1,98 @@
+"""`launcher plan`: show where every generation server and learner rank of an allocation lands.
+
+Parses ``--allocation``, places it on ``--nodes × --devices-per-node`` devices (see
+`allocation.placement` for the rules and `allocation.placement.resolve_cluster` for the
+defaults) and prints a table, or with ``--json`` exactly one JSON object (`Placement.to_dict`).
+A bad allocation or a cluster that is too small prints the parser's message on stderr and
+returns 2. Pure: imports neither torch nor redis, starts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TextIO
+
+# Submodule imports (not `from allocation import ...`) keep this working even where an editable
+# install registered `allocation` as a namespace package.
+from allocation.errors import AllocationError
+from allocation.parser import parse_allocation
+from allocation.placement import Placement, place
+
+
+def _devices_text(nodes: tuple[int, ...], devices: tuple[int, ...]) -> str:
+    if len(set(nodes)) == 1:
+        return ",".join(str(d) for d in devices)
+    return " ".join(f"{n}:{d}" for n, d in zip(nodes, devices))
+
+
+def format_table(plan: Placement) -> str:
+    """Human-readable plan: one row per server and learner rank, then totals."""
+    alloc = plan.allocation
+    rows: list[tuple[str, str, str, str, str]] = []
+    gen = alloc.generation
+    if gen is not None:
+        for s in plan.servers:
+            rows.append(
+                (
+                    f"generation/{gen.name}",
+                    str(s.index),
+                    ",".join(str(n) for n in dict.fromkeys(s.nodes)),
+                    _devices_text(s.nodes, s.devices),
+                    f"{gen.backend} server dp_rank={s.index} (p{gen.pp} t{gen.tp})",
+                )
+            )
+    for comp in plan.training:
+        t = comp.spec
+        for r in comp.ranks:
+            coords = f"dp={r.dp_rank} pp={r.pp_rank} tp={r.tp_rank}"
+            if t.cp > 1:
+                coords += f" cp={r.cp_rank}"
+            rows.append((f"training/{t.name}", str(r.rank), str(r.node), str(r.device), coords))
+    header = ("role", "index", "node", "devices", "coordinates")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"allocation: {alloc}  (kind {alloc.kind})",
+        f"cluster:    {plan.nodes} node(s) × {plan.devices_per_node} devices = {plan.cluster_devices}",
+        "",
+        "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
+        "  ".join("-" * w for w in widths),
+    ]
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    lines.append("")
+    if gen is not None:
+        lines.append(
+            f"generation: {gen.num_servers} {gen.backend} server(s) × {gen.server_size} device(s) "
+            f"= {gen.world_size} devices"
+        )
+    for comp in plan.training:
+        t = comp.spec
+        grid = f"dp {t.dp} × pp {t.pp} × tp {t.tp}" + (f" × cp {t.cp}" if t.cp > 1 else "")
+        extra = f", ep {t.ep}" if t.ep > 1 else ""
+        if t.ffn is not None:
+            extra += f", ffn dp {t.ffn.dp} × pp {t.ffn.pp} × tp {t.ffn.tp} × ep {t.ffn.ep}"
+        lines.append(f"training:   {t.name} ({t.backend}) {len(comp.ranks)} ranks = {grid}{extra}")
+    shared = " (colocated: generation and training share devices)" if alloc.colocated else ""
+    lines.append(
+        f"total:      {alloc.total_devices} devices needed, {len(plan.used_devices)} used "
+        f"of {plan.cluster_devices}{shared}"
+    )
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Entry point of `launcher plan`; returns the exit status (0 ok, 2 bad allocation)."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    try:
+        alloc = parse_allocation(args.allocation)
+        plan = place(alloc, nodes=args.nodes, devices_per_node=args.devices_per_node)
+    except AllocationError as exc:
+        print(str(exc), file=err)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict()), file=out)
+    else:
+        print(format_table(plan), file=out)
+    return 0
