@@ -1,0 +1,1 @@
+"""Rollout workers, the staleness gate client and the workflow executor."""

@@ -1,0 +1,126 @@
+
+# ---- redis_server: one real redis-server per test module (buffer/gate engineer) -------------------
+import pytest as _pytest_redis
+
+
+@_pytest_redis.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real `redis-server` (AOF on, password, 127.0.0.1, free port) in a tmp dir; stopped by PID.
+
+    Tests share it within a module, so each test should use its own stream prefix (see
+    `redis_stream`).
+    """
+    import shutil
+
+    from areal_like.buffer.redis_server import RedisServer
+
+    if shutil.which("redis-server") is None:
+        _pytest_redis.skip("redis-server not installed")
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@_pytest_redis.fixture
+def redis_stream(request) -> str:
+    """A stream prefix unique to the test (keys `{prefix}:…`), so tests sharing a server never meet."""
+    import re
+    import uuid
+
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:60] + "-" + uuid.uuid4().hex[:6]
+
+
+# ---- engine: tiny model dir, free ports, embedded generation servers (engine/weights engineer) ---
+import pytest as _pytest_engine
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@_pytest_engine.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random tiny Qwen2 + char tokenizer HF dir (safetensors), built once per session."""
+    from areal_like.data.tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model") / "model"))
+
+
+class EngineServer:
+    """An embedded generation server subprocess on 127.0.0.1; stopped by its PID."""
+
+    def __init__(self, model_dir: str, log_dir, *args: str, port: int | None = None):
+        import os
+        import subprocess
+        import sys
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false")
+        self.log_path = os.path.join(str(log_dir), f"engine-{self.port}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "areal_like.engine.server", "--model-path", model_dir, "--host", "127.0.0.1",
+             "--port", str(self.port), "--torch-threads", "1", "--random-seed", "0", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float = 90.0) -> "EngineServer":
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine server on port {self.port} exited with {self.proc.returncode}: "
+                                   f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"engine server on port {self.port} not healthy in {timeout_s}s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-n:]
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self._log.close()
+
+
+@_pytest_engine.fixture(scope="module")
+def engine_servers(tmp_path_factory):
+    """Factory: `engine_servers(model_dir, n, *extra_args)` starts n servers (in parallel), ready;
+    all are stopped by PID at module teardown, also when a test failed."""
+    started: list[EngineServer] = []
+    log_dir = tmp_path_factory.mktemp("engine_logs")
+
+    def start(model_dir: str, n: int = 1, *args: str) -> list[EngineServer]:
+        servers = [EngineServer(model_dir, log_dir, *args) for _ in range(n)]
+        started.extend(servers)
+        return [s.wait_ready() for s in servers]
+
+    try:
+        yield start
+    finally:
+        for s in started:
+            s.stop()

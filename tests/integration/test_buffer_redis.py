@@ -1,0 +1,234 @@
+"""ReplayBuffer and RedisServer against a real redis-server (one per module, see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import redis
+
+from areal_like.api.trajectory import Trajectory, TrajectoryGroup
+from areal_like.buffer.redis_client import RedisCallError, RedisEndpoint
+from areal_like.buffer.redis_server import RedisServer, RedisServerError
+from areal_like.buffer.replay_buffer import BufferFullTimeout, ReplayBuffer
+from areal_like.rollout.gate import StalenessGate
+
+pytestmark = pytest.mark.integration
+
+
+def group(gid: str, version: int = 0, n: int = 2) -> TrajectoryGroup:
+    trajs = [
+        Trajectory.build(traj_id=f"{gid}-{i}", group_id=gid, prompt_id="p", prompt_ids=[1, 2, 3],
+                         output_ids=[4, 5], output_logprobs=[-0.1, -0.2], output_versions=[version, version],
+                         reward=float(i), finish_reason="stop")
+        for i in range(n)
+    ]
+    return TrajectoryGroup(group_id=gid, prompt_id="p", trajectories=trajs, created_at=time.time())
+
+
+@pytest.fixture
+def buf(redis_server, redis_stream):
+    b = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100, max_groups=100)
+    yield b
+    b.close()
+
+
+# ---- RedisServer ---------------------------------------------------------------------------------
+def test_server_is_locked_down(redis_server):
+    assert redis_server.is_running() and redis_server.url.startswith("redis://:")
+    from areal_like.buffer.redis_client import make_client
+
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        make_client(f"redis://127.0.0.1:{redis_server.port}/0", password_env=None).ping()
+    c = redis.Redis.from_url(redis_server.url, socket_timeout=2)
+    cfg = c.config_get("*")
+    assert cfg["appendonly"] == "yes" and cfg["appendfsync"] == "everysec"
+    assert cfg["maxmemory-policy"] == "noeviction" and cfg["protected-mode"] == "yes"
+    assert cfg["save"] == "" and cfg["bind"] == "127.0.0.1"
+    assert redis_server.password not in redis_server.safe_url
+    assert oct(os.stat(redis_server.conf_path).st_mode & 0o777) == "0o600"
+    c.close()
+
+
+def test_server_start_failure_names_port_and_shows_log(redis_server, tmp_path):
+    clash = RedisServer(tmp_path, port=redis_server.port, start_timeout_s=5)
+    with pytest.raises(RedisServerError) as ei:
+        clash.start()
+    msg = str(ei.value)
+    assert f"127.0.0.1:{redis_server.port}" in msg and str(clash.log_path) in msg
+    assert "Address already in use" in msg
+    assert not clash.is_running()
+
+
+# ---- add / read / ack ---------------------------------------------------------------------------
+def test_add_is_idempotent_by_group_id(buf):
+    g = group("g-1")
+    assert buf.add_group(g) is True
+    assert buf.add_group(g) is False  # a retried add (lost reply) never duplicates
+    st = buf.stats()
+    assert st["added"] == 1 and st["duplicates"] == 1 and st["depth"] == 1
+    got = buf.read(10, consumer="L0")
+    assert [e[1].group_id for e in got] == ["g-1"]
+    assert got[0][1] == g  # the record round-trips unchanged
+    assert buf.read(10, block_ms=0, consumer="L0") == []
+
+
+def test_invalid_group_fails_in_the_producer(buf):
+    g = group("g-bad")
+    g.trajectories[0].prompt_len = 99
+    with pytest.raises(ValueError, match="prompt_len"):
+        buf.add_group(g)
+    assert buf.stats()["added"] == 0
+
+
+def test_read_ack_reclaim_nothing_lost_nothing_twice(buf):
+    for i in range(5):
+        buf.add_group(group(f"g{i}"))
+    a = buf.read(3, consumer="A")
+    assert [e[1].group_id for e in a] == ["g0", "g1", "g2"]
+    assert buf.ack([a[0][0]]) == 1  # A commits one step's worth, then "dies" holding g1, g2
+    assert buf.ack([a[0][0]]) == 0  # acks are idempotent
+    st = buf.stats()
+    assert st["pending"] == 2 and st["depth"] == 2 and st["acked"] == 1 and st["consumed"] == 3
+
+    assert buf.reclaim(min_idle_ms=300, consumer="B") == []  # A is not idle long enough yet
+    time.sleep(0.35)
+    r = buf.reclaim(min_idle_ms=300, consumer="B")
+    assert sorted(e[1].group_id for e in r) == ["g1", "g2"]
+    rest = buf.read(10, consumer="B")
+    assert [e[1].group_id for e in rest] == ["g3", "g4"]
+    assert buf.ack([e[0] for e in r + rest]) == 4
+
+    # acked entries are gone: no reclaim, no read, nothing left in the stream
+    assert buf.reclaim(min_idle_ms=0, consumer="C") == []
+    assert buf.read(10, block_ms=0, consumer="C") == []
+    st = buf.stats()
+    assert st == st | {"pending": 0, "depth": 0, "acked": 5, "reclaimed": 2, "consumed": 5}
+    assert buf.endpoint.client.xlen(buf.keys.stream) == 0
+
+
+def test_ack_of_an_undelivered_id_deletes_nothing(buf):
+    buf.add_group(group("g0"))
+    (eid,) = buf.endpoint.client.xrange(buf.keys.stream)[0][:1]
+    assert buf.ack([eid.decode()]) == 0  # never delivered: a wrong id must not lose the group
+    assert [e[1].group_id for e in buf.read(5, consumer="L")] == ["g0"]
+
+
+def test_malformed_and_foreign_entries_are_counted_and_skipped(buf):
+    buf.add_group(group("ok-1"))
+    c = buf.endpoint.client
+    c.xadd(buf.keys.stream, {"g": b"\x93not-a-group"})  # undecodable
+    c.xadd(buf.keys.stream, {"other": b"field"})  # foreign: no payload field
+    from areal_like.api.trajectory import encode_group
+
+    wrong = group("ok-2")
+    wrong.schema_version = 99
+    c.xadd(buf.keys.stream, {"g": encode_group(wrong)})  # wrong schema
+    buf.add_group(group("ok-3"))
+    got = []
+    for _ in range(3):
+        got += buf.read(10, consumer="L")
+    assert [e[1].group_id for e in got] == ["ok-1", "ok-3"]
+    st = buf.stats()
+    assert st["dropped"] == {"malformed": 3} and st["pending"] == 2 and st["depth"] == 0
+
+
+def test_filter_stale_acks_and_counts(buf):
+    for v in range(4):
+        buf.add_group(group(f"v{v}", version=v))
+    entries = buf.read(4, consumer="L")
+    keep, dropped = buf.filter_stale(entries, current_version=3, max_staleness=1)
+    assert [e[1].group_id for e in keep] == ["v2", "v3"]
+    assert [e[1].group_id for e in dropped] == ["v0", "v1"]
+    st = buf.stats()
+    assert st["dropped"] == {"stale": 2} and st["pending"] == 2
+    buf.ack([e[0] for e in keep])
+    assert buf.stats()["consumed"] == 4
+
+
+def test_version_key(buf):
+    assert buf.get_version() == 0
+    buf.set_version(7)
+    assert buf.get_version() == 7
+
+
+def test_oldest_age_counts_only_undelivered(buf):
+    buf.add_group(group("old"))
+    time.sleep(0.3)
+    assert buf.stats()["oldest_age_s"] >= 0.25
+    buf.read(1, consumer="L")
+    assert buf.stats()["oldest_age_s"] == 0.0
+
+
+# ---- back-pressure ------------------------------------------------------------------------------
+async def test_back_pressure_waits_then_proceeds(redis_server, redis_stream):
+    buf = ReplayBuffer(redis_server.url, stream=redis_stream, max_groups=3, block_ms=100, add_poll_s=0.02)
+    for i in range(3):
+        assert await buf.add_group_async(group(f"g{i}"))
+    blocked = asyncio.create_task(buf.add_group_async(group("g3"), timeout_s=10))
+    await asyncio.sleep(0.3)
+    assert not blocked.done()  # depth 3 ≥ max_groups
+    assert await buf.depth_async() == 3
+    got = buf.read(1, consumer="L")  # learner takes one: depth 2, room for one
+    assert await asyncio.wait_for(blocked, 5) is True
+    assert await buf.depth_async() == 3
+    with pytest.raises(BufferFullTimeout, match=rf"{redis_server.port}/0 key .*{redis_stream}.*max_groups 3"):
+        await buf.add_group_async(group("g4"), timeout_s=0.2)
+    assert await buf.add_group_async(group("g0")) is False  # duplicates answer at once even when full
+    buf.ack([got[0][0]])
+    await buf.aclose()
+    buf.close()
+
+
+# ---- errors name the peer ----------------------------------------------------------------------
+def test_wrong_password_fails_fast_and_names_the_peer(redis_server, redis_stream):
+    bad = ReplayBuffer(f"redis://:Zq9badpw@127.0.0.1:{redis_server.port}/0", stream=redis_stream,
+                       endpoint=RedisEndpoint(f"redis://:Zq9badpw@127.0.0.1:{redis_server.port}/0", retries=5))
+    t0 = time.monotonic()
+    with pytest.raises(RedisCallError) as ei:
+        bad.get_version()
+    assert time.monotonic() - t0 < 2  # auth errors are not retried
+    assert f"127.0.0.1:{redis_server.port}/0" in str(ei.value) and "Zq9badpw" not in str(ei.value)
+
+
+def test_password_from_env_when_url_has_none(redis_server, redis_stream, monkeypatch):
+    monkeypatch.setenv("MY_REDIS_PW", redis_server.password)
+    b = ReplayBuffer(f"redis://127.0.0.1:{redis_server.port}/0", stream=redis_stream, password_env="MY_REDIS_PW")
+    assert b.get_version() == 0
+    b.close()
+
+
+# ---- crash and restart -----------------------------------------------------------------------------
+def test_kill9_and_restart_keeps_entries_counters_and_version(tmp_path):
+    with RedisServer(tmp_path / "r") as srv:
+        b = ReplayBuffer(srv.url, stream="run", block_ms=100)
+        gate = StalenessGate(srv.url, stream="run", max_staleness=1, batch_size=4)
+        for i in range(6):
+            assert gate.try_acquire(f"g{i}")
+            b.add_group(group(f"g{i}"))
+        assert gate.try_acquire("still-running")
+        b.set_version(1)
+        read = b.read(3, consumer="L")
+        b.ack([read[0][0]])  # g0 committed; g1, g2 pending; g3..g5 undelivered
+        before = b.stats()
+        time.sleep(1.3)  # appendfsync everysec: let one fsync pass
+        srv.kill()
+        with pytest.raises(RedisCallError):
+            b.endpoint.retries = 0
+            b.get_version()
+        srv.restart()
+        b.endpoint.retries = 6
+        after = b.stats()  # the same client object reconnects
+        for k in ("added", "acked", "depth", "pending", "version", "running"):
+            assert after[k] == before[k], k
+        assert gate.state() == {"version": 1, "accepted": 6, "running": 1, "capacity": 12}
+        assert b.add_group(group("g4")) is False  # idempotency markers survived too
+        reclaimed = b.reclaim(0, consumer="L2")
+        assert sorted(e[1].group_id for e in reclaimed) == ["g1", "g2"]
+        rest = b.read(10, consumer="L2")
+        assert [e[1].group_id for e in rest] == ["g3", "g4", "g5"]
+        b.close()
+        gate.close()
+    assert not srv.is_running()
