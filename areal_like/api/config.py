@@ -82,6 +82,8 @@ class ServerConfig(_Section):
     api_key: str | None = None
     admin_api_key: str | None = None
     device: str = "cpu"
+    torch_threads: int = 1
+    """Compute threads per server; on a shared CPU, torch's default (one per core) thrashes ~10×."""
 
 
 class BufferConfig(_Section):
@@ -113,7 +115,28 @@ class TrainConfig(_Section):
     max_consume_staleness: int | None = None
     """Consume-time guard: drop groups older than this many versions (None = η from rollout)."""
     micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch (padded B×T); gradients accumulate over micro-batches."""
+    warmup_steps: int = 0
+    """Linear LR warm-up over this many applied optimizer steps (0 = none)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR after warm-up: constant, or linear/cosine decay to lr·min_lr_ratio at total_steps."""
+    min_lr_ratio: float = 0.0
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule over micro-batches when the allocation's training side has p > 1."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches per step; 0 = max(p, the token budget's count)."""
     save_freq: int = 0
+    """Checkpoint every this many steps (0 = never)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; None = `<run dir>/checkpoints`."""
+    resume_mode: str = "auto"
+    """`auto` (latest checkpoint in checkpoint_dir, if any), `disable`, or a checkpoint directory path."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk (older ones are deleted after a successful save)."""
+    export_hf: bool = False
+    """Also write an HF-format model dir (`hf/`) inside each checkpoint."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every learner-pool collective (process sub-groups, pipeline send/recv)."""
     seed: int = 1
 
 

@@ -1,0 +1,118 @@
+"""The demo task: a synthetic verifiable task a randomly initialised tiny model learns by RL in minutes.
+
+Task "next digit": the prompt is a short string of digits (plain text, no chat template, so the
+key character is the LAST prompt token); the answer is the digit that follows the prompt's last
+digit, cyclically (…, 8 → 9, 9 → 0):
+
+    prompt "4071"  →  answer "2"        prompt "39"  →  answer "0"
+
+Why this shape: a model that has never seen language must discover the answer by sampling at
+temperature 1 from an ~86-token vocabulary (a random policy is right ≈ 1/86 of the time). The key
+sits at the last position, so the policy is a 10-entry lookup from the last token's embedding to
+the output (no attention pattern to learn), and the answer is one token.
+
+Reward (`demo_compute_score`, an exact, verifiable check):
+
+    1.0  the completion (whitespace-stripped) is exactly the answer
+    0.5  the completion starts with the answer but goes on (only reachable with max_new_tokens > 1)
+    0.0  otherwise
+
+Measured with examples/grpo_learnability.py (on-policy GRPO, plain torch, 2-CPU box): the demo runs
+with max_new_tokens=1 — the answer is the single generated token. Requiring a trailing `<eos>` as
+well (max_new_tokens ≥ 2) did not train reliably from scratch: once the digit is learnt the
+continuation has collapsed onto non-EOS tokens, every group scores 0.5 and GRPO sees no variance.
+Format credit ("a digit at all", "stopped after one char") made it worse: those unconditional
+rewards collapse the policy onto one character before the mapping is learnt.
+
+This module writes the parquet and scores completions; it knows nothing of models or training.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+DEMO_DATA_SOURCE = "areal_like/demo"
+DIGITS = "0123456789"
+
+
+def make_example(rng: random.Random, min_len: int = 1, max_len: int = 6) -> tuple[str, str]:
+    """One (prompt, answer) pair: random digits, answer = successor of the last digit mod 10."""
+    n = rng.randint(min_len, max_len)
+    prompt = "".join(rng.choice(DIGITS) for _ in range(n))
+    answer = str((int(prompt[-1]) + 1) % 10)
+    return prompt, answer
+
+
+def demo_compute_score(solution_str: str, ground_truth: str) -> float:
+    """Score one completion of the demo task (see the module docstring for the levels)."""
+    s = solution_str.strip()
+    gt = ground_truth.strip()
+    if s == gt:
+        return 1.0
+    if gt and s.startswith(gt):  # right answer, did not stop
+        return 0.5
+    return 0.0
+
+
+def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0) -> str:
+    """Write `n_train` demo examples as verl-format parquet to `out_path`; returns the path.
+
+    Columns: prompt (str), data_source, reward_model {ground_truth, style}, extra_info {index, split}.
+    Written to a temporary name and renamed, so a concurrent reader never sees a half-written file.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    rows = [make_example(rng) for _ in range(n_train)]
+    table = pa.table(
+        {
+            "prompt": [p for p, _ in rows],
+            "data_source": [DEMO_DATA_SOURCE] * n_train,
+            "reward_model": [{"ground_truth": a, "style": "rule"} for _, a in rows],
+            "extra_info": [{"index": i, "split": "train"} for i in range(n_train)],
+        }
+    )
+    d = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{out_path}.tmp.{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, out_path)
+    return out_path
+
+
+# The model the demo's measured hyper-parameters were found with (examples/grpo_learnability.py).
+DEMO_MODEL_KWARGS = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         tie_word_embeddings=False)
+
+
+def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train: int = 2048, seed: int = 0) -> None:
+    """Build the tiny demo model in `model_dir` and the demo parquet at `train_file` where missing.
+
+    Idempotent: an existing model directory (has config.json) or parquet file is left untouched.
+    Either argument may be None to skip it. The model is written to a temporary directory and
+    renamed, so two launchers racing on first use never load a half-written model.
+    """
+    if model_dir and not os.path.exists(os.path.join(model_dir, "config.json")):
+        import shutil
+        import tempfile
+
+        from areal_like.data.tiny_model import build_tiny_model
+
+        parent = os.path.dirname(os.path.abspath(model_dir))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tiny_model.", dir=parent)
+        try:
+            build_tiny_model(tmp, seed=seed, **DEMO_MODEL_KWARGS)
+            if os.path.isdir(model_dir) and not os.listdir(model_dir):
+                os.rmdir(model_dir)
+            try:
+                os.rename(tmp, model_dir)
+            except OSError:
+                if not os.path.exists(os.path.join(model_dir, "config.json")):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if train_file and not os.path.exists(train_file):
+        build_demo_task(train_file, n_train=n_train, seed=seed)

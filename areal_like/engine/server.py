@@ -1,0 +1,527 @@
+"""The embedded generation server: SGLang's native HTTP subset (shared/PROTOCOL.md) over our engine.
+
+    python -m areal_like.engine.server --model-path DIR --host 127.0.0.1 --port P [--device cpu|cuda]
+        [--dtype float32|bfloat16] [--max-batch-size 64] [--max-context-len 512] [--weight-version 0]
+        [--random-seed S] [--api-key K] [--admin-api-key K] [--torch-threads N]
+
+aiohttp on uvloop. This module parses and validates requests, tokenizes text, and shapes replies;
+the scheduler (continuous batching) and runner (model + KV) do the work on one engine thread.
+Weight receives (blocking collectives) run on other threads, so the HTTP loop never blocks.
+Not implemented (400 with a message, never silently ignored): streaming, stop strings, penalties,
+top_logprobs_num > 0, constrained decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import signal
+import time
+import uuid
+from typing import Any
+
+import torch
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import areal_like
+from areal_like import metrics
+from areal_like.engine.runner import ModelRunner, Seq
+from areal_like.engine.sampling import derive_seed
+from areal_like.engine.scheduler import Request, Scheduler
+from areal_like.learner.logprobs import token_logprobs_from_logits
+from areal_like.weights.receive import WeightReceiver
+
+log = logging.getLogger("areal_like.engine.server")
+
+# sampling_params keys SGLang accepts. Unknown keys are a 400 (as SGLang ≥ 0.5.22).
+SUPPORTED_PARAMS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens", "stop_token_ids",
+                    "ignore_eos", "skip_special_tokens", "no_stop_trim", "n", "sampling_seed",
+                    "spaces_between_special_tokens", "stream_interval"}
+# Accepted only at their no-op value: anything else is a 400 saying the embedded server lacks it.
+NOOP_PARAMS = {"stop": (None, "", []), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+               "repetition_penalty": (1, 1.0), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
+               "structural_tag": (None,), "logit_bias": (None, {}), "custom_params": (None,)}
+ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
+               "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
+               "/begin_weight_update", "/end_weight_update"}
+OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
+
+
+class BadRequest(Exception):
+    """A 400 with {"error": {"message": ...}}."""
+
+
+def error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+class GenerationServer:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype,
+                                  max_context_len=args.max_context_len)
+        self.tokenizer = self.runner.tokenizer
+        self.scheduler = Scheduler(self.runner, max_batch_size=args.max_batch_size,
+                                   weight_version=str(args.weight_version))
+        self.receiver = WeightReceiver(args.device)
+        self.rng = random.Random(args.random_seed)
+        self.update_lock = asyncio.Lock()
+        self.started = time.time()
+        self._set_version(str(args.weight_version))
+
+    # ---------------------------------------------------------------- app
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors_and_auth], client_max_size=1 << 30)
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/v1/loads", self.loads)
+        r.add_post("/pause_generation", self.pause)
+        r.add_post("/continue_generation", self.continue_)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/flush_cache", self.flush_cache)
+        r.add_get("/flush_cache", self.flush_cache)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/update_weights_from_distributed", self.update_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_group)
+        r.add_post("/update_weights_from_disk", self.update_disk)
+        r.add_post("/begin_weight_update", self.begin_end)
+        r.add_post("/end_weight_update", self.begin_end)
+        r.add_get("/metrics", self.metrics)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app) -> None:
+        self.scheduler.start()
+
+    async def _on_cleanup(self, app) -> None:
+        await self.scheduler.close()
+        await asyncio.to_thread(self.receiver.close)
+
+    @web.middleware
+    async def _errors_and_auth(self, request: web.Request, handler):
+        path = request.path
+        if path not in OPEN_PATHS:
+            a = self.args
+            if path in ADMIN_PATHS:
+                keys = {a.admin_api_key} if a.admin_api_key else ({a.api_key} if a.api_key else set())
+            else:
+                keys = {k for k in (a.api_key, a.admin_api_key) if k} if a.api_key else set()
+            if keys and request.headers.get("Authorization", "").removeprefix("Bearer ").strip() not in keys:
+                return error("Unauthorized", 401)
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return error(str(e), 400)
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return error(e.reason or str(e), e.status)
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", path)
+            return error(f"{type(e).__name__}: {e}", 500)
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    def _set_version(self, version: str) -> None:
+        self.scheduler.weight_version = version
+        try:
+            metrics.SERVER_WEIGHT_VERSION.set(float(version))
+        except ValueError:
+            pass
+
+    # ---------------------------------------------------------------- /generate
+    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("give exactly one of 'text' or 'input_ids'")
+        if text is not None:
+            if isinstance(text, str):
+                return [self.tokenizer.encode(text, add_special_tokens=False)], False
+            if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                return [self.tokenizer.encode(t, add_special_tokens=False) for t in text], True
+            raise BadRequest("'text' must be a string or a non-empty list of strings")
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest("'input_ids' is empty")
+        if all(isinstance(i, int) for i in ids):
+            prompts, batch = [ids], False
+        elif all(isinstance(p, list) for p in ids):
+            prompts, batch = ids, True
+        else:
+            raise BadRequest("'input_ids' must be a list of ints or a list of lists of ints")
+        V = self.runner.vocab_size
+        for p in prompts:
+            if not p:
+                raise BadRequest("'input_ids' is empty")
+            if not all(isinstance(i, int) and 0 <= i < V for i in p):
+                raise BadRequest(f"'input_ids' must be token ids in [0, {V})")
+        return prompts, batch
+
+    def _sampling(self, sp: Any, prompt_len: int) -> dict[str, Any]:
+        if sp is None:
+            sp = {}
+        if not isinstance(sp, dict):
+            raise BadRequest("'sampling_params' must be an object")
+        unknown = set(sp) - SUPPORTED_PARAMS - set(NOOP_PARAMS)
+        if unknown:
+            raise BadRequest(f"unknown sampling_params: {sorted(unknown)}")
+        for k, noop in NOOP_PARAMS.items():
+            if k in sp and sp[k] not in noop:
+                raise BadRequest(f"sampling_params.{k}={sp[k]!r} is not supported by the embedded server")
+        ctx = self.args.max_context_len
+        if prompt_len >= ctx:
+            raise BadRequest(f"The input ({prompt_len} tokens) is longer than the model's context length ({ctx} tokens).")
+        mnt = sp.get("max_new_tokens", 128)
+        if mnt is None:
+            mnt = ctx - prompt_len
+        try:
+            out = {
+                "max_new_tokens": int(mnt),
+                "temperature": float(sp.get("temperature", 1.0)),
+                "top_p": float(sp.get("top_p", 1.0)),
+                "top_k": int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1),
+                "min_p": float(sp.get("min_p", 0.0)),
+                "min_new_tokens": int(sp.get("min_new_tokens", 0)),
+                "stop_token_ids": [int(t) for t in (sp.get("stop_token_ids") or [])],
+                "ignore_eos": bool(sp.get("ignore_eos", False)),
+                "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
+                "n": int(sp.get("n", 1)),
+                "sampling_seed": None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]),
+            }
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"bad sampling_params: {e}")
+        if out["max_new_tokens"] < 0:
+            raise BadRequest("max_new_tokens must be ≥ 0")
+        if prompt_len + out["max_new_tokens"] > ctx:
+            raise BadRequest(f"Requested token count exceeds the model's maximum context length of {ctx} tokens: "
+                             f"{prompt_len} input tokens + {out['max_new_tokens']} max_new_tokens.")
+        if out["temperature"] < 0:
+            raise BadRequest("temperature must be ≥ 0")
+        if not 0.0 < out["top_p"] <= 1.0:
+            raise BadRequest("top_p must be in (0, 1]")
+        if out["top_k"] == 0 or out["top_k"] < -1:
+            raise BadRequest("top_k must be -1 (disabled) or ≥ 1")
+        if not 0.0 <= out["min_p"] <= 1.0:
+            raise BadRequest("min_p must be in [0, 1]")
+        if out["n"] < 1:
+            raise BadRequest("n must be ≥ 1")
+        return out
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the embedded server")
+        if int(body.get("top_logprobs_num") or 0) > 0:
+            raise BadRequest("top_logprobs_num > 0 is not supported by the embedded server")
+        prompts, batch = self._prompts(body)
+        sps = body.get("sampling_params")
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        if len(sps) != len(prompts):
+            raise BadRequest("'sampling_params' list must match the number of prompts")
+        params = [self._sampling(sp, len(p)) for sp, p in zip(sps, prompts)]
+        rid = body.get("rid")
+        rids_per_prompt: list[str]
+        if isinstance(rid, list):
+            if len(rid) != len(prompts):
+                raise BadRequest("'rid' list must match the number of prompts")
+            rids_per_prompt = [str(r) for r in rid]
+        elif rid is None:
+            rids_per_prompt = [uuid.uuid4().hex for _ in prompts]
+        else:
+            rids_per_prompt = [str(rid)] if not batch else [f"{rid}_{i}" for i in range(len(prompts))]
+        return_logprob = bool(body.get("return_logprob", False))
+        lp_start = int(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1)
+        text_in_lp = bool(body.get("return_text_in_logprobs", False))
+
+        seqs: list[tuple[Seq, dict, int]] = []  # (seq, params, prompt index)
+        for pi, (prompt, sp, prid) in enumerate(zip(prompts, params, rids_per_prompt)):
+            stop = tuple(sorted(set(sp["stop_token_ids"]) | (set() if sp["ignore_eos"] else set(self.runner.eos_token_ids))))
+            for j in range(sp["n"]):
+                seed = derive_seed(sp["sampling_seed"], j) if sp["sampling_seed"] is not None \
+                    else self.rng.getrandbits(63)
+                seq = Seq(rid=prid if sp["n"] == 1 else f"{prid}_{j}", prompt_ids=list(prompt),
+                          max_new_tokens=sp["max_new_tokens"], temperature=sp["temperature"], top_p=sp["top_p"],
+                          top_k=sp["top_k"], min_p=sp["min_p"], min_new_tokens=sp["min_new_tokens"],
+                          stop_ids=stop, seed=seed)
+                seqs.append((seq, sp, pi))
+        rids = [s.rid for s, _, _ in seqs]
+        dup = [r for r in rids if self.scheduler.has_rid(r)] or ([r for r in rids if rids.count(r) > 1][:1])
+        if dup:
+            raise BadRequest(f"Duplicate request ID: {dup[0]}")
+
+        input_lps: dict[int, list] = {}
+        if return_logprob and lp_start >= 0:
+            for pi, prompt in enumerate(prompts):
+                lps = await self.scheduler.run_on_engine(self._prompt_logprobs, prompt)
+                input_lps[pi] = [[lp, tid, self._tok_text(tid) if text_in_lp else None]
+                                 for lp, tid in zip(lps, prompt)][lp_start:]
+
+        t0 = time.perf_counter()
+        reqs = await asyncio.gather(*(self._run_one(seq) for seq, _, _ in seqs))
+        replies = []
+        for req, (seq, sp, pi) in zip(reqs, seqs):
+            out_ids = seq.output_ids
+            meta: dict[str, Any] = {
+                "id": seq.rid,
+                "finish_reason": req.finish_reason,
+                "prompt_tokens": len(seq.prompt_ids),
+                "completion_tokens": len(out_ids),
+                "cached_tokens": 0,
+                "weight_version": req.weight_version,
+                "e2e_latency": time.perf_counter() - t0,
+            }
+            if return_logprob:
+                meta["output_token_logprobs"] = [[lp, tid, self._tok_text(tid) if text_in_lp else None]
+                                                 for lp, tid in zip(seq.output_logprobs, out_ids)]
+                if pi in input_lps:
+                    meta["input_token_logprobs"] = input_lps[pi]
+            replies.append({"text": self.tokenizer.decode(out_ids, skip_special_tokens=sp["skip_special_tokens"]),
+                            "output_ids": list(out_ids), "meta_info": meta})
+        if not batch and len(replies) == 1:
+            return web.json_response(replies[0])
+        return web.json_response(replies)
+
+    async def _run_one(self, seq: Seq):
+        if seq.max_new_tokens == 0:  # nothing to generate: answer without touching the engine
+            fut = asyncio.get_running_loop().create_future()
+            return Request(seq=seq, future=fut, finish_reason={"type": "length", "length": 0},
+                           weight_version=self.scheduler.weight_version, done=True)
+        return await self.scheduler.submit(seq)
+
+    def _tok_text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, prompt: list[int]) -> list[float | None]:
+        """Prompt-token logprobs (not temperature-scaled); the first token has none."""
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.runner.device)
+        logits = self.runner.model(input_ids=ids).logits
+        lp = token_logprobs_from_logits(logits[:, :-1], ids[:, 1:], 1.0)[0].tolist()
+        return [None] + lp
+
+    # ---------------------------------------------------------------- status
+    async def health(self, request: web.Request) -> web.Response:
+        if self.scheduler.paused:  # deliberately paused for a weight update: alive, not generating
+            return web.Response(text="paused")
+        eos = self.runner.eos_token_ids[0] if self.runner.eos_token_ids else 0
+        seq = Seq(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[eos], max_new_tokens=1, seed=0)
+        try:
+            await asyncio.wait_for(self.scheduler.submit(seq), timeout=self.args.health_timeout_s)
+        except asyncio.TimeoutError:
+            return error(f"health check: no token within {self.args.health_timeout_s}s", 503)
+        return web.Response(text="")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        cfg = self.runner.config
+        return web.json_response({
+            "model_path": self.runner.model_path, "tokenizer_path": self.args.model_path, "is_generation": True,
+            "weight_version": self.scheduler.weight_version, "preferred_sampling_params": None,
+            "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
+            "vocab_size": self.runner.vocab_size, "eos_token_ids": list(self.runner.eos_token_ids)})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        info = {k: v for k, v in vars(self.args).items() if k not in ("api_key", "admin_api_key")}
+        info.update({
+            "version": areal_like.__version__, "engine": "areal_like-embedded", "tp_size": 1, "dp_size": 1,
+            "context_length": self.args.max_context_len,
+            "max_total_num_tokens": self.args.max_context_len * self.args.max_batch_size,
+            "max_running_requests": self.args.max_batch_size, "weight_version": self.scheduler.weight_version,
+            "paused": self.scheduler.paused, "uptime_s": time.time() - self.started,
+            "internal_states": [{"max_running_requests_seen": self.scheduler.max_running_seen,
+                                 **self.scheduler.loads()}]})
+        return web.json_response(info)
+
+    async def loads(self, request: web.Request) -> web.Response:
+        loads = self.scheduler.loads()
+        return web.json_response({"timestamp": time.time(), **loads, "paused": self.scheduler.paused,
+                                  "max_running_requests_seen": self.scheduler.max_running_seen,
+                                  "loads": [{"dp_rank": 0, **loads}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(metrics.REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---------------------------------------------------------------- control
+    async def pause(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        mode = body.get("mode") or "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"unknown pause mode {mode!r}: use abort, retract or in_place")
+        await self.scheduler.pause(mode)
+        return web.json_response({"success": True, "message": f"paused ({mode})"})
+
+    async def continue_(self, request: web.Request) -> web.Response:
+        self.scheduler.resume()
+        return web.json_response({"success": True, "message": "continued"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        if not rid and not abort_all:
+            raise BadRequest("give 'rid' or 'abort_all': true")
+        n = self.scheduler.abort(rid, abort_all=abort_all)
+        return web.json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.scheduler.busy:
+            return error("Cache not flushed: there are running or waiting requests. Pause first.", 400)
+        # No prefix cache to drop: the batch cache lives only as long as its rows.
+        return web.json_response({"success": True, "message": "Cache flushed."})
+
+    async def begin_end(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "message": ""})
+
+    # ---------------------------------------------------------------- weights
+    async def init_group(self, request: web.Request) -> web.Response:
+        b = await self._json(request)
+        try:
+            kw = dict(master_address=str(b["master_address"]), master_port=int(b["master_port"]),
+                      rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
+                      group_name=str(b.get("group_name") or "weight_update_group"),
+                      backend=str(b.get("backend") or ("nccl" if self.runner.device.type == "cuda" else "gloo")),
+                      timeout_s=float(b.get("timeout_s") or self.args.weight_sync_timeout_s))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"bad init_weights_update_group body: {e!r}")
+        try:
+            # Blocks until every rank joined: on a thread, so the server keeps serving meanwhile.
+            await asyncio.to_thread(self._init_group_on_thread, kw)
+        except Exception as e:
+            log.error("init_weights_update_group failed: %s", e)
+            return web.json_response({"success": False, "message": str(e)})
+        return web.json_response({"success": True, "message": f"joined group {kw['group_name']!r} as rank "
+                                                              f"{kw['rank_offset']} of {kw['world_size']}"})
+
+    def _init_group_on_thread(self, kw: dict) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)  # NCCL binds the thread's current device
+        self.receiver.init_group(**kw)
+
+    async def update_distributed(self, request: web.Request) -> web.Response:
+        b = await self._json(request)
+        try:
+            names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), [list(s) for s in b["shapes"]]
+        except (KeyError, TypeError) as e:
+            raise BadRequest(f"bad update_weights_from_distributed body: {e!r}")
+        group_name = str(b.get("group_name") or "weight_update_group")
+        async with self.update_lock:
+            if b.get("abort_all_requests"):
+                self.scheduler.abort(abort_all=True, message="aborted for weight update")
+            t0 = time.perf_counter()
+            try:
+                if self.runner.device.type == "cuda":
+                    torch.cuda.set_device(self.runner.device)
+                named = await asyncio.to_thread(self.receiver.receive, group_name=group_name, names=names,
+                                                dtypes=dtypes, shapes=shapes, load_format=b.get("load_format"))
+                # Loads run on the engine thread: between two decode steps, all or nothing.
+                await self.scheduler.run_on_engine(self.runner.load_weights, named)
+            except Exception as e:
+                log.error("update_weights_from_distributed failed: %s", e)
+                return web.json_response({"success": False, "message": str(e)})
+            if b.get("weight_version") is not None:
+                self._set_version(str(b["weight_version"]))
+            metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
+        return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        b = await self._json(request)
+        name = str(b.get("group_name") or "weight_update_group")
+        try:
+            await asyncio.to_thread(self.receiver.destroy, name)
+        except Exception as e:
+            return web.json_response({"success": False, "message": str(e)})
+        return web.json_response({"success": True, "message": f"destroyed group {name!r}"})
+
+    async def update_disk(self, request: web.Request) -> web.Response:
+        b = await self._json(request)
+        path = b.get("model_path")
+        if not path:
+            raise BadRequest("'model_path' is required")
+        if b.get("load_format") not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format {b['load_format']!r} is not supported: use null (safetensors)")
+        async with self.update_lock:
+            if b.get("abort_all_requests"):
+                self.scheduler.abort(abort_all=True, message="aborted for weight update")
+            t0 = time.perf_counter()
+            try:
+                await self.scheduler.run_on_engine(self.runner.load_weights_from_disk, str(path))
+            except Exception as e:  # the runner validated before copying / restored: old weights still serve
+                log.error("update_weights_from_disk(%s) failed, old weights kept: %s", path, e)
+                return web.json_response({"success": False, "message": f"Failed to load {path}: {e}. "
+                                          f"Rolled back to the previous weights.", "num_paused_requests": 0})
+            if b.get("weight_version") is not None:
+                self._set_version(str(b["weight_version"]))
+            metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
+        return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m areal_like.engine.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="HF model dir (safetensors + tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=64, help="max running requests per decode step")
+    p.add_argument("--max-context-len", type=int, default=512, help="prompt + generated tokens per request")
+    p.add_argument("--weight-version", default="0")
+    p.add_argument("--random-seed", type=int, default=None, help="seeds requests without sampling_seed")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+    p.add_argument("--health-timeout-s", type=float, default=20.0)
+    p.add_argument("--weight-sync-timeout-s", type=float, default=300.0, help="collective timeout of weight groups")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if args.max_batch_size < 1 or args.max_context_len < 2:
+        p.error("--max-batch-size must be ≥ 1 and --max-context-len ≥ 2")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    server = GenerationServer(args)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    log.info("serving %s on http://%s:%d (weight_version %s)", args.model_path, args.host, args.port,
+             server.scheduler.weight_version)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

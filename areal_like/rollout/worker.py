@@ -1,0 +1,143 @@
+"""A rollout worker process: prompts → workflow → groups → replay buffer, under the staleness gate.
+
+    for each prompt of this worker's shard (epoch after epoch):
+        wait for a free local slot (rollout.max_concurrent_groups)
+        wait for the global staleness gate  (Redis, atomic; unblocked when the learner bumps v)
+        spawn: workflow.run_group(prompt)   (n samples on the servers, rewards)
+                 ├─ ok     → buffer.add_group   (atomically: stream entry, accepted += 1, running −= 1)
+                 └─ failed → gate.release        (the slot is freed; the prompt is not lost: retried)
+
+It never talks to the learner: the version key in Redis is the only thing it reads from it.
+On SIGTERM it stops starting groups, cancels what is in flight and frees those slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from areal_like import metrics as M
+from areal_like.api.config import decode_config
+
+
+def _log(k: int, msg: str) -> None:
+    print(f"[rollout{k}] {msg}", flush=True)
+
+
+async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
+    from transformers import AutoTokenizer
+
+    from areal_like.buffer.replay_buffer import ReplayBuffer
+    from areal_like.data.dataset import PromptDataset
+    from areal_like.engine.client import GenerationClient
+    from areal_like.reward import RewardFn
+    from areal_like.rollout.gate import StalenessGate
+    from areal_like.workflow.rlvr import RLVRWorkflow
+
+    with open(os.path.join(run_dir, "config.json"), "rb") as f:
+        cfg = decode_config(f.read())
+    with open(os.path.join(run_dir, "endpoints.json")) as f:
+        endpoints = json.load(f)
+    if metrics_port:
+        M.serve(metrics_port)
+    redis_url = os.environ["AREAL_LIKE_REDIS_URL"]
+    n_workers = cfg.rollout.workers
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    dataset = PromptDataset(cfg.data.train_files, tokenizer, prompt_key=cfg.data.prompt_key,
+                            max_prompt_length=cfg.data.max_prompt_length,
+                            apply_chat_template=cfg.data.apply_chat_template)
+    prompts = dataset.iterate(seed=cfg.seed, shuffle=cfg.data.shuffle, shard=index, num_shards=n_workers)
+    buffer = ReplayBuffer.from_config(cfg.buffer, url=redis_url)
+    gate = StalenessGate.from_config(cfg.buffer, url=redis_url, batch_size=cfg.train.batch_size,
+                                     max_staleness=cfg.rollout.max_staleness)
+    reward_fn = RewardFn(cfg.custom_reward_function)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(s, stop.set)
+
+    slots = asyncio.Semaphore(cfg.rollout.max_concurrent_groups)
+    inflight: set[asyncio.Task] = set()
+    retry: list = []  # prompts whose group failed: tried again before new ones
+    seq = 0
+
+    async with GenerationClient(endpoints["servers"], request_timeout_s=cfg.rollout.request_timeout_s,
+                                api_key=cfg.server.api_key) as client:
+        workflow = RLVRWorkflow(client, reward_fn, cfg.generation, tokenizer, producer=f"rollout{index}",
+                                seed=cfg.seed)
+
+        async def one(record, group_id: str) -> None:
+            accepted = False
+            try:
+                group = await workflow.run_group(record, group_id)
+                if group is not None:
+                    # Accepting frees this group's gate slot in the same atomic script.
+                    accepted = await buffer.add_group_async(group)
+                    M.ROLLOUT_GROUPS.labels("accepted" if accepted else "duplicate").inc()
+                    M.ROLLOUT_SAMPLES.inc(len(group.trajectories))
+                    for t in group.trajectories:
+                        M.ROLLOUT_REWARD.observe(t.reward)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # one failed group must not end the worker: free the slot, retry the prompt
+                M.ROLLOUT_GROUPS.labels("failed").inc()
+                _log(index, f"group {group_id} failed: {type(e).__name__}: {e}")
+                retry.append(record)
+            finally:
+                if not accepted:
+                    await gate.release_async(group_id)
+                slots.release()
+                M.ROLLOUT_INFLIGHT.dec()
+
+        _log(index, f"started: {len(dataset)} prompts (shard {index}/{n_workers}), servers {endpoints['servers']}")
+        while not stop.is_set():
+            await slots.acquire()
+            got = False
+            group_id = f"w{index}-{seq}"  # also the gate slot id: retried gate calls stay idempotent
+            while not stop.is_set():
+                if await gate.try_acquire_async(group_id):
+                    got = True
+                    break
+                M.GATE_REJECTIONS.inc()
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=0.05)
+                except asyncio.TimeoutError:
+                    pass
+            if not got:
+                slots.release()
+                break
+            record = retry.pop(0) if retry else next(prompts)
+            seq += 1
+            M.ROLLOUT_INFLIGHT.inc()
+            task = asyncio.create_task(one(record, group_id))
+            inflight.add(task)
+            task.add_done_callback(inflight.discard)
+
+        _log(index, f"stopping: cancelling {len(inflight)} group(s) in flight")
+        for t in list(inflight):
+            t.cancel()
+        await asyncio.gather(*inflight, return_exceptions=True)
+    await reward_fn.close()
+    await buffer.aclose()
+    await gate.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m areal_like.rollout.worker")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=None)
+    a = p.parse_args(argv)
+    import uvloop
+
+    return uvloop.run(run(a.run_dir, a.index, a.metrics_port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""A separate torch.distributed process group for weight sync (not the default group).
+
+The trainer (rank 0) and every generation server's device join one group over a TCPStore that
+rank 0 hosts. Neither side may touch its default group: a learner already has one (its SPMD ranks)
+and a server must not join it. So, as SGLang and verl do, the group is built directly with
+`_new_process_group_helper` over our own store, which leaves the default group alone.
+
+Collectives here always carry a timeout and their errors say which group and which peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+log = logging.getLogger(__name__)
+
+
+class WeightGroup:
+    """Handle of one weight-sync group: the process group and what names it in errors."""
+
+    def __init__(self, pg, *, group_name: str, rank: int, world_size: int, master: str, backend: str,
+                 timeout_s: float, store):
+        self.pg = pg
+        self.group_name = group_name
+        self.rank = rank
+        self.world_size = world_size
+        self.master = master
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._store = store  # keep the TCPStore (rank 0: the server) alive as long as the group
+
+    def describe(self) -> str:
+        return (f"group {self.group_name!r} ({self.backend}, rank {self.rank} of {self.world_size}, "
+                f"store {self.master})")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
+        """Broadcast `tensor` in place from group rank `src`; raises naming the group and peer."""
+        try:
+            work = self.pg.broadcast([tensor], _bcast_opts(src))
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            peer = "the trainer (rank 0)" if src == 0 else f"rank {src}"
+            raise RuntimeError(f"broadcast{' of ' + what if what else ''} from {peer} failed or timed out after "
+                               f"{self.timeout_s:.0f}s in {self.describe()}: {e}") from e
+
+    def destroy(self) -> None:
+        try:
+            dist.destroy_process_group(self.pg)
+        except Exception as e:  # a broken group may refuse; forget it anyway
+            log.warning("destroying %s: %s", self.describe(), e)
+            _world.pg_group_ranks.pop(self.pg, None)
+        self.pg = None
+        self._store = None
+
+
+def _bcast_opts(src: int):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return opts
+
+
+def init_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int,
+                      group_name: str = "weight_update_group", backend: str = "gloo",
+                      timeout_s: float = 300.0) -> WeightGroup:
+    """Create (join) the weight-sync group. Blocks until all `world_size` ranks have joined.
+
+    Rank 0 hosts the TCPStore at master_address:master_port. For gloo on loopback set
+    GLOO_SOCKET_IFNAME=lo in the environment (gloo picks its interface from it).
+    """
+    master = f"{master_address}:{master_port}"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
+                              wait_for_workers=False, use_libuv=True)
+    except Exception as e:
+        role = "host" if rank == 0 else "reach"
+        raise RuntimeError(f"rank {rank} of group {group_name!r} could not {role} the TCP store at {master} "
+                           f"within {timeout_s:.0f}s: {e}") from e
+    prefix = PrefixStore(group_name, store)
+    try:
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), prefix,
+                                          group_name=group_name, timeout=timeout)
+    except Exception as e:
+        raise RuntimeError(f"rank {rank} could not join group {group_name!r} ({backend}, world size {world_size}, "
+                           f"store {master}) within {timeout_s:.0f}s — did every rank start? {e}") from e
+    # Collectives map global→group ranks through this table; the group is its own world.
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    group = WeightGroup(pg, group_name=group_name, rank=rank, world_size=world_size, master=master,
+                        backend=backend, timeout_s=timeout_s, store=store)
+    # Gloo connects lazily on the first collective; a barrier-like broadcast makes "joined" mean joined.
+    # (NCCL needs the tensor on this process's current CUDA device.)
+    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    group.broadcast(torch.zeros(1, dtype=torch.int32, device=dev), src=0, what="the join handshake")
+    return group

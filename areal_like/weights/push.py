@@ -1,0 +1,232 @@
+"""Trainer side of weight sync: bucketed torch.distributed broadcast to every generation server.
+
+One push (PROTOCOL.md "Order of one update"):
+```
+ pause(abort) all ──► for each bucket:  POST metadata to all servers (not awaited)
+                                        broadcast the flattened bucket as rank 0   (thread)
+                                        collect the replies  — at most one bucket in flight
+                 ──► continue all
+```
+The HTTP calls that block on the group (init, each update) are sent first and awaited last, because
+each server answers only after the collective it is waiting for. Blocking torch.distributed work
+runs on a thread so the event loop keeps serving the other HTTP replies. This module does not decide
+when to push or which version comes next (the learner does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import torch
+
+from areal_like import metrics
+from areal_like.weights.group import WeightGroup, init_weight_group
+from areal_like.weights.receive import dtype_name
+
+log = logging.getLogger(__name__)
+
+
+class WeightPushError(RuntimeError):
+    pass
+
+
+def make_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Cut the tensors, in order, into buckets of at most `bucket_bytes` (a bigger tensor goes alone)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    cur: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if cur and size + n > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append((name, t))
+        size += n
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The tensors' bytes concatenated in order: one uint8 tensor (on the tensors' device)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+
+
+class WeightPusher:
+    def __init__(self, server_urls: list[str], *, master_addr: str = "127.0.0.1", master_port: int,
+                 backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
+                 admin_api_key: str | None = None, group_name: str = "weight_update_group",
+                 devices_per_server: list[int] | None = None, flattened: bool = True):
+        if not server_urls:
+            raise ValueError("WeightPusher needs at least one server URL")
+        self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self.flattened = flattened
+        # rank_offset of server k = 1 + Σ devices of servers before k; world = 1 + all devices.
+        self.devices = devices_per_server or [1] * len(self.server_urls)
+        if len(self.devices) != len(self.server_urls):
+            raise ValueError("devices_per_server must have one entry per server URL")
+        self.world_size = 1 + sum(self.devices)
+        self._headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self.group: WeightGroup | None = None
+        self._begin_end: dict[str, bool] = {}  # server → speaks /begin_weight_update (SGLang ≥ 0.5.21)
+
+    # ---------------------------------------------------------------- HTTP helpers
+    async def _post(self, url: str, path: str, body: dict[str, Any], *, timeout_s: float | None = None,
+                    allow_404: bool = False) -> dict[str, Any] | None:
+        assert self._session is not None, "call init() first"
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._session.post(url + path, json=body, headers=self._headers, timeout=timeout) as resp:
+                if allow_404 and resp.status == 404:
+                    return None
+                text = await resp.text()
+                if resp.status != 200:
+                    raise WeightPushError(f"{url}{path} returned HTTP {resp.status}: {text[:500]}")
+                try:
+                    data = await resp.json(content_type=None)
+                except ValueError:
+                    data = {"success": True, "message": text}
+        except asyncio.TimeoutError as e:
+            raise WeightPushError(f"{url}{path} timed out after {timeout.total:.0f}s") from e
+        except aiohttp.ClientError as e:
+            raise WeightPushError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
+        if isinstance(data, dict) and data.get("success") is False:
+            raise WeightPushError(f"{url}{path} reported failure: {data.get('message')}")
+        return data
+
+    async def _all(self, path: str, body: dict[str, Any], **kw) -> list:
+        return await asyncio.gather(*(self._post(u, path, body, **kw) for u in self.server_urls))
+
+    async def _with_collective(self, http: list[asyncio.Task], collective) -> list:
+        """Run the blocking collective on a thread while the servers' replies are pending; an early
+        HTTP failure is raised at once instead of after the collective's timeout."""
+        coll = asyncio.ensure_future(asyncio.to_thread(collective))
+        pending = {coll, *http}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for d in done:
+                    d.result()  # raises the first failure (naming its server or the group)
+        except BaseException:
+            for t in http:
+                t.cancel()
+            # The collective thread cannot be interrupted; it ends at the group's timeout.
+            raise
+        return [t.result() for t in http]
+
+    # ---------------------------------------------------------------- API
+    async def init(self) -> None:
+        """Form the weight group with every server (trainer = rank 0)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        http = []
+        offset = 1
+        for url, ndev in zip(self.server_urls, self.devices):
+            body = {"master_address": self.master_addr, "master_port": self.master_port, "rank_offset": offset,
+                    "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
+            # The server answers only once every rank joined: send first, join as rank 0, then collect.
+            http.append(asyncio.ensure_future(self._post(url, "/init_weights_update_group", body)))
+            offset += ndev
+        box: list[WeightGroup] = []
+
+        def join():
+            box.append(init_weight_group(master_address=self.master_addr, master_port=self.master_port,
+                                         world_size=self.world_size, rank=0, group_name=self.group_name,
+                                         backend=self.backend, timeout_s=self.timeout_s))
+
+        await self._with_collective(http, join)
+        self.group = box[0]
+        log.info("weight group %r formed with %d servers", self.group_name, len(self.server_urls))
+
+    async def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Pause → bucketed broadcast → continue. Sets every server's weight_version to str(version).
+
+        On failure the servers stay paused (their weights may be partly new): retry the push, or
+        reload from disk, then `resume()`.
+        """
+        if self.group is None:
+            raise WeightPushError("push() before init(): the weight group does not exist")
+        t0 = time.perf_counter()
+        buckets = make_buckets(named_tensors, self.bucket_bytes)
+        total_bytes = 0
+        await self._all("/pause_generation", {"mode": "abort"})
+        t_paused = time.perf_counter()
+        await self._begin_or_end("/begin_weight_update")
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            body = {
+                "names": [n for n, _ in bucket],
+                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+                "group_name": self.group_name,
+                "flush_cache": False,  # paused already; a flush while requests run kills some SGLang releases
+                "abort_all_requests": False,
+                # Only the last bucket sets the version: a server never reports a half-landed one.
+                "weight_version": str(version) if last else None,
+                "load_format": "flattened_bucket" if self.flattened else None,
+            }
+            http = [asyncio.ensure_future(self._post(u, "/update_weights_from_distributed", body))
+                    for u in self.server_urls]
+            if self.flattened:
+                buf = flatten_bucket(bucket)
+                total_bytes += buf.numel()
+                coll = lambda buf=buf, i=i: self.group.broadcast(buf, 0, what=f"bucket {i}")  # noqa: E731
+            else:
+                tensors = [(n, t.detach().contiguous()) for n, t in bucket]
+                total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+
+                def coll(tensors=tensors):
+                    for n, t in tensors:
+                        self.group.broadcast(t, 0, what=f"tensor {n!r}")
+            await self._with_collective(http, coll)
+        await self._begin_or_end("/end_weight_update")
+        await self._all("/continue_generation", {})
+        t_end = time.perf_counter()
+        metrics.PUSH_SECONDS.observe(t_end - t0)
+        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total_bytes,
+                "buckets": len(buckets)}
+
+    async def resume(self) -> None:
+        """Continue generation on every server (after a failed push was repaired)."""
+        await self._all("/continue_generation", {})
+
+    async def _begin_or_end(self, path: str) -> None:
+        async def one(url: str):
+            if self._begin_end.get(url) is False:
+                return
+            r = await self._post(url, path, {}, allow_404=True)
+            self._begin_end[url] = r is not None
+        await asyncio.gather(*(one(u) for u in self.server_urls))
+
+    async def close(self) -> None:
+        """Destroy the group on the servers and here; close the HTTP session."""
+        try:
+            if self.group is not None and self._session is not None:
+                try:
+                    await self._all("/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=30)
+                except WeightPushError as e:
+                    log.warning("destroying the weight group on the servers: %s", e)
+                await asyncio.to_thread(self.group.destroy)
+                self.group = None
+        finally:
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+    async def __aenter__(self) -> "WeightPusher":
+        await self.init()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,40 @@
+"""Build the demo assets: a random tiny Qwen2 + char tokenizer, and the "next digit" task parquet.
+
+    python examples/build_demo.py --out runs/_assets
+
+writes OUT/tiny_model/ and OUT/demo_train.parquet (existing ones are kept; --force rebuilds).
+The launcher calls `ensure_demo_assets(model_dir, train_file)` itself on first use, so running
+this by hand is optional. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from areal_like.data.demo_task import ensure_demo_assets  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--n-train", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="rebuild even if the files exist")
+    args = ap.parse_args(argv)
+    model_dir = os.path.join(args.out, "tiny_model")
+    train_file = os.path.join(args.out, "demo_train.parquet")
+    if args.force:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        if os.path.exists(train_file):
+            os.remove(train_file)
+    ensure_demo_assets(model_dir, train_file, n_train=args.n_train, seed=args.seed)
+    print(f"model: {model_dir}\ntrain: {train_file}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Child-process bookkeeping for the launcher: start, watch, and end only what we started.
+
+Every role runs in its own session (process group), so ending a role also ends the helpers it
+spawned (reward worker pools, gloo threads) — by process-group id, never by process name. The PIDs
+are written to `<run-dir>/pids.json` so `launcher stop` can end a run from another shell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Role:
+    name: str  # "server0", "learner", "rollout1", …
+    proc: subprocess.Popen
+    log_path: str
+    critical: bool = True  # its death (before the run is done) stops the run
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+            return "\n".join(lines[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class ProcessTable:
+    run_dir: str
+    roles: list[Role] = field(default_factory=list)
+    services: dict[str, int] = field(default_factory=dict)  # started elsewhere (redis-server): name → pid
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], *, critical: bool = True) -> Role:
+        log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        log = open(log_path, "ab", buffering=0)
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: we end the role and its children together
+        )
+        log.close()
+        role = Role(name, proc, log_path, critical)
+        self.roles.append(role)
+        self._record()
+        return role
+
+    def _record(self) -> None:
+        pids = {r.name: r.pid for r in self.roles} | self.services
+        tmp = os.path.join(self.run_dir, "pids.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"launcher": os.getpid(), "roles": pids}, f)
+        os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
+
+    def add_service(self, name: str, pid: int) -> None:
+        self.services[name] = pid
+        self._record()
+
+    def dead(self) -> list[Role]:
+        return [r for r in self.roles if r.proc.poll() is not None]
+
+    def stop(self, role: Role, timeout_s: float = 10.0) -> None:
+        """SIGTERM the role's process group, then SIGKILL what is left after `timeout_s`."""
+        end_process_group(role.pid, role.proc, timeout_s)
+
+    def stop_all(self, order: list[str] | None = None, timeout_s: float = 10.0) -> None:
+        """Stop roles in reverse start order (or by name prefixes in `order` first)."""
+        roles = list(reversed(self.roles))
+        if order:
+            ranked = []
+            for prefix in order:
+                ranked += [r for r in roles if r.name.startswith(prefix) and r not in ranked]
+            roles = ranked + [r for r in roles if r not in ranked]
+        for r in roles:
+            self.stop(r, timeout_s)
+
+
+def end_process_group(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 10.0) -> None:
+    """End the process group led by `pid` (a session we created): TERM, wait, KILL."""
+    try:
+        pgid = os.getpgid(pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None and pgid == pid:  # only groups we created (start_new_session) are ours
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    elif proc is not None and proc.poll() is None:
+        proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None:
+            if proc.poll() is not None and not _group_alive(pid):
+                return
+        elif not _group_alive(pid):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc is not None:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

@@ -1,0 +1,363 @@
+"""`launcher run|status|stop`, local backend: start every role of a run, supervise it, end it cleanly.
+
+Start order (DESIGN.md): Redis → generation servers (wait for /health) → learner (rank 0 forms the
+weight-sync group with the servers) → rollout workers → supervision. The launcher owns no training
+logic: it only places processes, watches them and reports progress.
+
+    launcher ──┬─ redis-server            (AOF, 127.0.0.1, password; unless buffer.redis_url is set)
+               ├─ server0 … serverN-1     (python -m areal_like.engine.server, one per generation DP replica)
+               ├─ learner                 (python -m areal_like.learner.main; ends the run after total_steps)
+               └─ rollout0 … rolloutK-1   (python -m areal_like.rollout.worker)
+
+The run ends when the learner exits 0 (done), when any role dies (non-zero exit, the reason and the
+tail of that role's log), or on Ctrl-C / SIGTERM. In every case the launcher ends exactly the
+processes it started, by process group, and writes summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+from launcher.procs import ProcessTable, end_process_group, free_port
+
+
+class RunError(RuntimeError):
+    pass
+
+
+def _resolve(args):
+    from allocation import AllocationError, parse_allocation
+
+    from areal_like.api.config import ConfigError, load_config
+
+    overrides = list(args.overrides or [])
+    if args.allocation:
+        overrides.append(f"allocation={args.allocation}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        raise RunError(str(e)) from None
+    try:
+        alloc = parse_allocation(cfg.allocation)
+    except AllocationError as e:
+        raise RunError(f"allocation {cfg.allocation!r}:\n{e}") from None
+    return cfg, alloc
+
+
+def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
+    gen, train = alloc.generation, alloc.training
+    if gen is None or train is None:
+        raise RunError(
+            f"allocation {cfg.allocation!r} is {alloc.kind}: `launcher run` needs a generation part and a "
+            "training part, e.g. --allocation embedded.d1p1t1+d1p1t1"
+        )
+    if gen.backend == "vllm":
+        raise RunError("generation backend 'vllm' is parsed but not run by areal_like: use 'embedded' or 'sglang'")
+    if gen.backend == "sglang":
+        raise RunError(
+            "generation backend 'sglang' needs GPUs and `pip install .[sglang]`; on this machine use "
+            "--allocation embedded.d1p1t1+d1p1t1 (same protocol, our embedded engine)"
+        )
+    if gen.tp * gen.pp != 1:
+        raise RunError(f"the embedded engine runs one device per server; got t={gen.tp} p={gen.pp}: use embedded.d{gen.dp}p1t1")
+    world = train.world_size
+    if world != 1:
+        raise RunError(
+            f"the learner pool is {train.dp}×{train.pp}×{train.tp} = {world} ranks; this build runs a single "
+            f"learner rank: use …+d1p1t1"
+        )
+    return gen.backend, gen.dp, world
+
+
+def _wait_health(url: str, timeout_s: float, role, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if role.proc.poll() is not None:
+            raise RunError(f"{what} at {url} exited with {role.proc.returncode} while starting:\n{role.tail()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception as e:  # connection refused while it loads: keep waiting
+            last = str(e)
+        time.sleep(0.3)
+    raise RunError(f"{what} at {url} not healthy after {timeout_s:.0f}s (last error: {last}); log {role.log_path}:\n{role.tail()}")
+
+
+def _default_run_dir(cfg) -> str:
+    return os.path.join("runs", f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _read_metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line being written right now
+    return out
+
+
+def summarize(rows: list[dict], max_staleness: int, wall_s: float) -> dict:
+    """summary.json. reward_first/last average the first/last min(5, steps) steps (one step is noisy)."""
+    rewards = [r["reward_mean"] for r in rows if r.get("samples")]  # steps that trained on something
+    k = min(5, len(rewards))
+    samples = sum(r.get("samples", 0) for r in rows)
+    return {
+        "steps": len(rows),
+        "final_version": rows[-1]["version"] if rows else 0,
+        "reward_first": (sum(rewards[:k]) / k) if k else None,
+        "reward_last": (sum(rewards[-k:]) / k) if k else None,
+        "dropped_stale": sum(r.get("dropped_stale", 0) for r in rows),
+        "max_staleness": max_staleness,
+        "max_staleness_observed": max((r["staleness_max"] for r in rows), default=0),
+        "samples_per_s": samples / wall_s if wall_s > 0 else 0.0,
+        "wall_s": wall_s,
+    }
+
+
+def _progress(rows: list[dict], t0: float, total: int, depth: str) -> str:
+    if not rows:
+        return f"[launcher] waiting for the first step… ({time.monotonic() - t0:.0f}s)"
+    r = rows[-1]
+    el = time.monotonic() - t0
+    sps = sum(x.get("samples", 0) for x in rows) / max(el, 1e-9)
+    return (f"[launcher] step {r['step']}/{total}  version {r['version']}  reward {r['reward_mean']:.3f}  "
+            f"samples/s {sps:.1f}  staleness max {max(x['staleness_max'] for x in rows)}  buffer {depth}  "
+            f"step {r['step_s']:.2f}s push {r['push_s']:.2f}s")
+
+
+def cmd_run(args) -> int:
+    try:
+        cfg, alloc = _resolve(args)
+        _, n_servers, _ = _check_runnable(cfg, alloc)
+    except RunError as e:
+        print(f"launcher run: {e}", file=sys.stderr)
+        return 2
+    run_dir = os.path.abspath(args.run_dir or _default_run_dir(cfg))
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    return Run(cfg, alloc, run_dir, n_servers).execute()
+
+
+class Run:
+    def __init__(self, cfg, alloc, run_dir: str, n_servers: int):
+        self.cfg, self.alloc, self.run_dir, self.n_servers = cfg, alloc, run_dir, n_servers
+        self.procs = ProcessTable(run_dir)
+        self.redis = None
+        self._redis_url: str | None = None
+        self._buffer = None  # read-only view for the progress line
+        self._stop_reason: str | None = None
+
+    # ---- phases -------------------------------------------------------------------------------
+    def _prepare_assets(self) -> None:
+        from areal_like.data.demo_task import ensure_demo_assets
+
+        cfg = self.cfg
+        missing_model = not os.path.exists(os.path.join(cfg.model.path, "config.json"))
+        missing_data = [p for p in cfg.data.train_files if not os.path.exists(p)]
+        if missing_model and not cfg.model.build_demo_if_missing:
+            raise RunError(f"model.path={cfg.model.path} has no config.json: point model.path at an HF model directory")
+        if missing_data and not cfg.data.build_demo_if_missing:
+            raise RunError(f"data.train_files: {missing_data} do not exist: fix data.train_files=[…]")
+        if missing_model or missing_data:
+            print(f"[launcher] building demo assets (model {cfg.model.path}, data {cfg.data.train_files[0]})", flush=True)
+            ensure_demo_assets(cfg.model.path, cfg.data.train_files[0])
+
+    def _start_redis(self) -> str:
+        if self.cfg.buffer.redis_url:
+            return self.cfg.buffer.redis_url
+        from areal_like.buffer.redis_server import RedisServer
+
+        self.redis = RedisServer(os.path.join(self.run_dir, "redis"))
+        self.redis.start()
+        self.procs.add_service("redis", self.redis.pid)
+        print(f"[launcher] redis-server pid {self.redis.pid} on 127.0.0.1:{self.redis.port} (AOF on)", flush=True)
+        return self.redis.url
+
+    def _child_env(self, redis_url: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["AREAL_LIKE_REDIS_URL"] = redis_url  # the password travels in the environment, not in files
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env["PYTHONUNBUFFERED"] = "1"
+        # Each role is one process on a shared CPU: keep torch from oversubscribing the cores.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _start_servers(self, env) -> list[str]:
+        cfg = self.cfg
+        urls, roles = [], []
+        for i in range(self.n_servers):
+            port = cfg.server.base_port + i if cfg.server.base_port else free_port()
+            argv = [sys.executable, "-m", "areal_like.engine.server", "--model-path", cfg.model.path,
+                    "--host", cfg.server.host, "--port", str(port), "--device", cfg.server.device,
+                    "--dtype", cfg.model.dtype, "--max-batch-size", str(cfg.server.max_batch_size),
+                    "--max-context-len", str(cfg.server.max_context_len), "--weight-version", "0",
+                    "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads)]
+            if cfg.server.api_key:
+                argv += ["--api-key", cfg.server.api_key]
+            if cfg.server.admin_api_key:
+                argv += ["--admin-api-key", cfg.server.admin_api_key]
+            roles.append(self.procs.start(f"server{i}", argv, env))
+            urls.append(f"http://{cfg.server.host}:{port}")
+        for i, (url, role) in enumerate(zip(urls, roles)):
+            _wait_health(url, cfg.server.health_timeout_s, role, f"generation server {i}")
+        print(f"[launcher] {len(urls)} generation server(s) healthy: {' '.join(urls)}", flush=True)
+        return urls
+
+    def execute(self) -> int:
+        t0 = time.monotonic()
+        rc = 1
+        prev_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._prepare_assets()
+            with open(os.path.join(self.run_dir, "config.json"), "wb") as f:
+                from areal_like.api.config import encode_config
+
+                f.write(encode_config(self.cfg))
+            redis_url = self._redis_url = self._start_redis()
+            env = self._child_env(redis_url)
+            urls = self._start_servers(env)
+            endpoints = {"servers": urls, "weight_sync_master_port": free_port(),
+                         "metrics_ports": {}}
+            learner_metrics = free_port()
+            endpoints["metrics_ports"]["learner"] = learner_metrics
+            rollout_ports = [free_port() for _ in range(self.cfg.rollout.workers)]
+            for k, p in enumerate(rollout_ports):
+                endpoints["metrics_ports"][f"rollout{k}"] = p
+            with open(os.path.join(self.run_dir, "endpoints.json"), "w") as f:
+                json.dump(endpoints, f, indent=1)
+            self._write_prometheus_targets(urls, endpoints["metrics_ports"])
+            common = ["--run-dir", self.run_dir]
+            self.procs.start("learner", [sys.executable, "-m", "areal_like.learner.main", *common,
+                                         "--metrics-port", str(learner_metrics)], env)
+            for k in range(self.cfg.rollout.workers):
+                self.procs.start(f"rollout{k}", [sys.executable, "-m", "areal_like.rollout.worker", *common,
+                                                 "--index", str(k), "--metrics-port", str(rollout_ports[k])], env)
+            rc = self._supervise(t0)
+        except RunError as e:
+            print(f"launcher run: {e}", file=sys.stderr, flush=True)
+            rc = 1
+        except KeyboardInterrupt:
+            self._stop_reason = "interrupted"
+            rc = 130
+        finally:
+            self._shutdown()
+            for s, h in prev_handlers.items():
+                signal.signal(s, h)
+            rows = _read_metrics(os.path.join(self.run_dir, "metrics.jsonl"))
+            summary = summarize(rows, self.cfg.rollout.max_staleness, time.monotonic() - t0)
+            summary["exit_reason"] = self._stop_reason or ("completed" if rc == 0 else "failed")
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            print(f"[launcher] {summary['exit_reason']}: {json.dumps(summary)}", flush=True)
+            print(f"[launcher] run directory: {self.run_dir}", flush=True)
+        return rc
+
+    def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int]) -> None:
+        """file_sd targets for dashboards/prometheus.yml: every role's /metrics with a `role` label."""
+        targets = [{"targets": [u.split("://", 1)[1]], "labels": {"role": f"server{i}", "run": os.path.basename(self.run_dir)}}
+                   for i, u in enumerate(urls)]
+        targets += [{"targets": [f"127.0.0.1:{p}"], "labels": {"role": name, "run": os.path.basename(self.run_dir)}}
+                    for name, p in ports.items()]
+        with open(os.path.join(self.run_dir, "prometheus_targets.json"), "w") as f:
+            json.dump(targets, f, indent=1)
+
+    def _on_signal(self, signum, frame):
+        self._stop_reason = f"stopped by {signal.Signals(signum).name}"
+        raise KeyboardInterrupt
+
+    def _buffer_depth(self) -> str:
+        try:
+            if self._buffer is None:
+                from areal_like.buffer.replay_buffer import ReplayBuffer
+
+                self._buffer = ReplayBuffer.from_config(self.cfg.buffer, url=self._redis_url)
+            return str(self._buffer.depth())
+        except Exception as e:  # the progress line must never stop the run
+            return f"? ({type(e).__name__})"
+
+    def _supervise(self, t0: float) -> int:
+        learner = next(r for r in self.procs.roles if r.name == "learner")
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        tty = sys.stdout.isatty()
+        last_print = 0.0
+        while True:
+            for role in self.procs.dead():
+                if role is learner and role.proc.returncode == 0:
+                    if tty:
+                        print()
+                    print(_progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth()), flush=True)
+                    return 0
+                self._stop_reason = f"{role.name} exited with code {role.proc.returncode}"
+                print(f"\n[launcher] {self._stop_reason}; last lines of {role.log_path}:\n{role.tail()}",
+                      file=sys.stderr, flush=True)
+                return 1
+            now = time.monotonic()
+            if now - last_print >= (1.0 if tty else 10.0):
+                line = _progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth())
+                print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n", flush=True)
+                last_print = now
+            time.sleep(0.2)
+
+    def _shutdown(self) -> None:
+        # Rollouts first (no new work), then the learner (it commits what it has), then servers, Redis.
+        self.procs.stop_all(order=["rollout", "learner", "server"], timeout_s=15.0)
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def cmd_status(args) -> int:
+    run_dir = args.run_dir
+    pids_path = os.path.join(run_dir, "pids.json")
+    if not os.path.exists(pids_path):
+        print(f"launcher status: {run_dir} has no pids.json: is it a run directory of `launcher run`?", file=sys.stderr)
+        return 2
+    with open(pids_path) as f:
+        pids = json.load(f)
+    for name, pid in pids["roles"].items():
+        alive = os.path.exists(f"/proc/{pid}")
+        print(f"{name:12s} pid {pid:7d} {'running' if alive else 'ended'}")
+    rows = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if rows:
+        r = rows[-1]
+        print(f"step {r['step']}  version {r['version']}  reward {r['reward_mean']:.3f}")
+    summ = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summ):
+        with open(summ) as f:
+            print("summary:", f.read().strip())
+    return 0
+
+
+def cmd_stop(args) -> int:
+    """Ask the run's launcher to stop (SIGTERM: it ends its roles); if it is gone, end the roles."""
+    pids_path = os.path.join(args.run_dir, "pids.json")
+    if not os.path.exists(pids_path):
+        print(f"launcher stop: {args.run_dir} has no pids.json", file=sys.stderr)
+        return 2
+    with open(pids_path) as f:
+        pids = json.load(f)
+    lp = pids.get("launcher")
+    if lp and os.path.exists(f"/proc/{lp}"):
+        os.kill(lp, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{lp}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return 0
+    for name, pid in pids["roles"].items():
+        end_process_group(pid, None, 10.0)  # only ends groups we created (pgid == pid), redis included
+    return 0
