@@ -71,7 +71,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("eta,workers", [(0, 1), (2, 2)])
+@pytest.mark.parametrize("eta,workers", [(0, 1), (0, 2), (2, 2)])
 def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, workers):
     run_dir = tmp_path / "run"
     steps = 4
@@ -112,6 +112,7 @@ def test_dead_role_stops_the_run_and_names_it(tmp_path, demo_assets):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.2)
     assert pids, "the run never completed a step"
+    _assert_every_role_serves_metrics(run_dir)
     os.kill(pids["rollout0"], signal.SIGKILL)
     rc, out = _finish(proc, timeout=120)
     assert rc != 0
@@ -119,6 +120,34 @@ def test_dead_role_stops_the_run_and_names_it(tmp_path, demo_assets):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "rollout0" in summary["exit_reason"]
     _assert_all_gone(run_dir)
+
+
+def _assert_every_role_serves_metrics(run_dir):
+    """Each role's /metrics (from prometheus_targets.json, what Prometheus scrapes) has its metrics."""
+    import urllib.request
+
+    want = {
+        "server0": ["areal_like_generated_tokens_total", "areal_like_server_busy_seconds_total",
+                    "areal_like_server_weight_version"],
+        "learner": ["areal_like_policy_version", "areal_like_learner_step", "areal_like_weight_push_seconds",
+                    "areal_like_staleness_max"],
+        "rollout0": ["areal_like_rollout_groups_total", "areal_like_rollout_samples_total"],
+    }
+    targets = {t["labels"]["role"]: t["targets"][0] for t in json.loads((run_dir / "prometheus_targets.json").read_text())}
+    for role, names in want.items():
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"http://{targets[role]}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            missing = [n for n in names if n not in text]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert not missing, f"{role} /metrics lacks {missing}"
+    # the learner's version gauge is live, not a constant
+    with urllib.request.urlopen(f"http://{targets['learner']}/metrics", timeout=10) as r:
+        line = next(ln for ln in r.read().decode().splitlines() if ln.startswith("areal_like_policy_version "))
+    assert float(line.split()[1]) >= 1
 
 
 def test_sigint_stops_everything(tmp_path, demo_assets):
