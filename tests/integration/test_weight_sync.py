@@ -108,7 +108,7 @@ async def test_interrupted_generation_keeps_token_versions(servers, base_model):
     try:
         await pusher.push(list(old.state_dict().items()), version=10)
         async with GenerationClient([s.url for s in servers], request_timeout_s=60) as client:
-            for attempt in range(3):  # the push must land mid-generation; retry the rare too-fast run
+            for attempt in range(5):  # the push must land mid-generation; retry the rare too-fast run
                 gen = asyncio.ensure_future(client.generate(prompt, max_new_tokens=450, ignore_eos=True,
                                                             sampling_seed=attempt, key="group-0"))
                 url = client.pick_server("group-0")
@@ -120,7 +120,9 @@ async def test_interrupted_generation_keeps_token_versions(servers, base_model):
                 await pusher.push(list(new.state_dict().items()), version=11 + attempt)
                 res = await gen
                 print(f"attempt {attempt}: {res.num_interruptions} interruption(s)")
-                if res.num_interruptions >= 1:
+                # On a loaded machine the pause can land before the first decoded token; then there is
+                # no "before" part to check, so that attempt is retried like a too-fast one.
+                if res.num_interruptions >= 1 and res.output_versions[0] == 10:
                     break
                 await pusher.push(list(old.state_dict().items()), version=10)
             assert res.num_interruptions >= 1, "the push never interrupted the generation"
