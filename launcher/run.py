@@ -59,11 +59,13 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
     if gen.backend == "vllm":
         raise RunError("generation backend 'vllm' is parsed but not run by areal_like: use 'embedded' or 'sglang'")
     if gen.backend == "sglang":
-        raise RunError(
-            "generation backend 'sglang' needs GPUs and `pip install .[sglang]`; on this machine use "
-            "--allocation embedded.d1p1t1+d1p1t1 (same protocol, our embedded engine)"
-        )
-    if gen.tp * gen.pp != 1:
+        from areal_like.engine.sglang_args import SGLangNotInstalled, require_sglang
+
+        try:
+            require_sglang()
+        except SGLangNotInstalled as e:
+            raise RunError(str(e)) from None
+    elif gen.tp * gen.pp != 1:
         raise RunError(f"the embedded engine runs one device per server; got t={gen.tp} p={gen.pp}: use embedded.d{gen.dp}p1t1")
     world = train.world_size
     if world != 1:
@@ -157,6 +159,8 @@ class Run:
         self.redis = None
         self._redis_url: str | None = None
         self._buffer = None  # read-only view for the progress line
+        self._server_devices: list[int] | None = None  # devices per server in the weight-update group
+        self._learner_device = "cpu"
         self._stop_reason: str | None = None
 
     # ---- phases -------------------------------------------------------------------------------
@@ -194,8 +198,37 @@ class Run:
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
+    def _start_sglang_servers(self, env) -> list[str]:
+        """Real SGLang, one server per generation DP replica, on this node's GPUs (single node)."""
+        from allocation import place
+
+        from areal_like.engine.sglang_args import build_sglang_servers, sglang_server_flags
+
+        cfg = self.cfg
+        plan = place(self.alloc)  # one node with exactly the devices the allocation needs
+        ports = [cfg.server.base_port + i if cfg.server.base_port else free_port() for i in range(self.n_servers)]
+        servers = build_sglang_servers(plan, model_path=cfg.model.path, ports=ports, seeds=cfg.seed,
+                                       api_key=cfg.server.api_key, admin_api_key=cfg.server.admin_api_key,
+                                       host=cfg.server.host, supported_flags=sglang_server_flags())
+        roles = []
+        for srv in servers:
+            if srv.nnodes > 1:
+                raise RunError(f"sglang server {srv.index} spans {srv.nnodes} nodes; the local backend runs one node: "
+                               "use the slurm backend or a smaller t×p")
+            (proc,) = srv.processes
+            roles.append(self.procs.start(f"server{srv.index}", list(proc.argv), {**env, **proc.env}))
+        for srv, role in zip(servers, roles):
+            # Model load and CUDA-graph capture take minutes on real models.
+            _wait_health(srv.url, max(cfg.server.health_timeout_s, 900.0), role, f"sglang server {srv.index}")
+        self._server_devices = [srv.devices for srv in servers]
+        train_devices = [r.device for r in plan.ranks]
+        self._learner_device = f"cuda:{train_devices[0]}" if train_devices else "cuda:0"
+        return [srv.url for srv in servers]
+
     def _start_servers(self, env) -> list[str]:
         cfg = self.cfg
+        if self.alloc.generation.backend == "sglang":
+            return self._start_sglang_servers(env)
         urls, roles = [], []
         for i in range(self.n_servers):
             port = cfg.server.base_port + i if cfg.server.base_port else free_port()
@@ -228,8 +261,11 @@ class Run:
             redis_url = self._redis_url = self._start_redis()
             env = self._child_env(redis_url)
             urls = self._start_servers(env)
-            endpoints = {"servers": urls, "weight_sync_master_port": free_port(),
-                         "metrics_ports": {}}
+            sglang = self.alloc.generation.backend == "sglang"
+            endpoints = {"servers": urls, "weight_sync_master_port": free_port(), "metrics_ports": {},
+                         # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
+                         "weight_backend": "nccl" if sglang else "gloo",
+                         "server_devices": self._server_devices, "learner_device": self._learner_device}
             learner_metrics = free_port()
             endpoints["metrics_ports"]["learner"] = learner_metrics
             rollout_ports = [free_port() for _ in range(self.cfg.rollout.workers)]
@@ -239,8 +275,13 @@ class Run:
                 json.dump(endpoints, f, indent=1)
             self._write_prometheus_targets(urls, endpoints["metrics_ports"])
             common = ["--run-dir", self.run_dir]
+            learner_env = dict(env)
+            if sglang:
+                from areal_like.engine.sglang_args import TRAINER_WEIGHT_GROUP_ENV
+
+                learner_env.update(TRAINER_WEIGHT_GROUP_ENV)
             self.procs.start("learner", [sys.executable, "-m", "areal_like.learner.main", *common,
-                                         "--metrics-port", str(learner_metrics)], env)
+                                         "--metrics-port", str(learner_metrics)], learner_env)
             for k in range(self.cfg.rollout.workers):
                 self.procs.start(f"rollout{k}", [sys.executable, "-m", "areal_like.rollout.worker", *common,
                                                  "--index", str(k), "--metrics-port", str(rollout_ports[k])], env)

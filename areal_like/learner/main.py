@@ -46,11 +46,12 @@ async def run(run_dir: str, metrics_port: int | None) -> int:
     if limit is None:
         limit = cfg.rollout.max_staleness
     learner = Learner(cfg.model.path, cfg.train, temperature=cfg.generation.temperature,
-                      device="cpu", dtype=cfg.model.dtype)
+                      device=endpoints.get("learner_device", "cpu"), dtype=cfg.model.dtype)
     pusher = WeightPusher(
         endpoints["servers"], master_addr="127.0.0.1", master_port=endpoints["weight_sync_master_port"],
-        backend="gloo", bucket_bytes=int(cfg.weights.bucket_mb * 2**20), timeout_s=cfg.weights.timeout_s,
-        admin_api_key=cfg.server.admin_api_key,
+        backend=endpoints.get("weight_backend", "gloo"), bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
+        timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
+        devices_per_server=endpoints.get("server_devices"),
     )
     await pusher.init()
     version = 0

@@ -169,3 +169,19 @@ def test_bad_config_key_fails_before_starting(tmp_path):
     assert proc.returncode == 2
     assert "lrr" in proc.stderr and "train" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_unrunnable_allocations_fail_before_starting(tmp_path):
+    import importlib.util
+
+    cases = [("embedded.d1p1t1", "training part"), ("vllm.d1p1t1+d1p1t1", "vllm"),
+             ("embedded.d1p1t2+d1p1t1", "one device per server"), ("embedded.d1+d1x", "invalid allocation")]
+    if importlib.util.find_spec("sglang") is None:  # on GPU machines with sglang this one would start
+        cases.append(("sglang.d1p1t1+d1p1t1", "pip install .[sglang]"))
+    for alloc, words in cases:
+        proc = subprocess.run([sys.executable, "-m", "launcher", "run", "--allocation", alloc,
+                               "--run-dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 2, (alloc, proc.stderr)
+        assert words in proc.stderr, (alloc, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,347 @@
+"""`python -m sglang.launch_server` commands for the generation servers of a placement.
+
+Pure argument construction: this module starts nothing, imports neither torch nor sglang (except
+in `require_sglang` / `sglang_server_flags`, which the launcher calls just before it starts real
+servers), and knows nothing of the rollout client. The launcher turns each `SGLangProcess` into
+one child process on its node and waits for the server's `/health`.
+
+One generation server per data-parallel replica of the generation allocation (``--dp-size 1``:
+SGLang's distributed weight update requires it)::
+
+    Placement.servers[k]  ──►  SGLangServer k
+        url            http://<node address>:<port k>
+        processes      one per node it spans (node-rank 0 serves HTTP; the others only compute)
+            argv       python -m sglang.launch_server --model-path … --tp-size t --pp-size p
+                       --base-gpu-id <first local device on that node> --random-seed <seed k> …
+            env        NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0  (an overlay on the node's environment)
+
+Decisions (see PROTOCOL.md "Launching real SGLang"):
+
+* **Devices by ``--base-gpu-id``, not ``CUDA_VISIBLE_DEVICES``.** The placement's local device
+  index is passed as ``--base-gpu-id`` (tp rank j runs on ``base_gpu_id + j``) and
+  ``CUDA_VISIBLE_DEVICES`` is neither set nor cleared: device ids then mean the same thing in the
+  server, in colocated trainers on the same node and in the placement table, and a scheduler's own
+  binding (Slurm's ``--gres``) still applies, as indexes into what it made visible. Narrowing the
+  visibility per server would renumber devices inside each server (slime and SGLang's own RL
+  examples use base-gpu-id for the same reason).
+* **Servers larger than a node** (``t×p > devices_per_node``) run one process per node with
+  ``--nnodes N --node-rank r --dist-init-addr <first node>:<dist port>``; the placement starts such
+  a server on a node boundary, and SGLang puts ``t×p / N`` devices on every node, so the server
+  must fill whole nodes. SGLang also uses a few ports right after the dist-init port for its
+  internal sockets: leave a gap of ≥ 8 between the dist-init ports you pass.
+* **``--pp-size > 1`` with distributed weight updates is refused**: upstream
+  ``update_weights_from_distributed`` does not support pipeline parallelism. With
+  ``weight_update="disk"`` it is allowed.
+* **Seeds** are distinct per server (``seed + index`` when one base seed is given), so the
+  replicas do not sample the same continuations for the same prompt.
+* **Release differences**: ``supported_flags`` (from `sglang_server_flags`) drops
+  ``--weight-version`` on releases that lack it (0.4.x: the server then reports ``"default"``)
+  and refuses an ``--admin-api-key`` that the release cannot enforce.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import shlex
+import sys
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # only the shapes are used; the launcher hands a Placement in
+    from allocation.placement import Placement, ServerPlacement
+
+SGLANG_MODULE = "sglang.launch_server"
+
+WEIGHT_GROUP_ENV: dict[str, str] = {
+    # The weight-sync NCCL group spans the trainer and every server; cuMem-backed buffers and NVLS
+    # (NVLink SHARP) break or hang that cross-process group, so both sides turn them off.
+    "NCCL_CUMEM_ENABLE": "0",
+    "NCCL_NVLS_ENABLE": "0",
+}
+TRAINER_WEIGHT_GROUP_ENV: dict[str, str] = {
+    **WEIGHT_GROUP_ENV,
+    # Under torchrun, rank 0's TCPStore for the weight group must not be the elastic agent's store.
+    "TORCHELASTIC_USE_AGENT_STORE": "False",
+}
+"""Environment overlay for the learner processes (rank 0 joins the weight group)."""
+
+SECRET_FLAGS = frozenset({"--api-key", "--admin-api-key"})
+
+WeightUpdate = Literal["distributed", "disk"]
+
+
+class SGLangArgsError(ValueError):
+    """The plan cannot be launched as SGLang servers; the message says which setting to change."""
+
+
+class SGLangNotInstalled(RuntimeError):
+    """sglang is not importable here."""
+
+
+@dataclass(frozen=True)
+class SGLangProcess:
+    """One ``sglang.launch_server`` process: a whole server, or one node's share of a larger one."""
+
+    node: int
+    node_rank: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    """Variables to add to the node's environment (not a full environment)."""
+
+    def shell(self, *, redact: bool = True) -> str:
+        """The command line as a shell string; API keys shown as ``***`` unless ``redact=False``."""
+        return shlex.join(redact_argv(self.argv) if redact else self.argv)
+
+
+@dataclass(frozen=True)
+class SGLangServer:
+    """One generation server (one data-parallel replica) and how to start it."""
+
+    index: int
+    url: str
+    host: str
+    """The address the HTTP server binds to (``--host``)."""
+    port: int
+    tp: int
+    pp: int
+    seed: int
+    processes: tuple[SGLangProcess, ...]
+    """One per node the server spans; ``processes[0]`` (node-rank 0) serves HTTP."""
+
+    @property
+    def node(self) -> int:
+        return self.processes[0].node
+
+    @property
+    def devices(self) -> int:
+        """Devices of this server, t×p: its share of the weight-update group."""
+        return self.tp * self.pp
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.processes)
+
+
+# ------------------------------------------------------------------------------------- building
+def build_sglang_servers(
+    placement: Placement,
+    *,
+    model_path: str,
+    ports: Sequence[int],
+    seeds: int | Sequence[int],
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    enable_metrics: bool = True,
+    node_hosts: Sequence[str] | None = None,
+    host: str | None = None,
+    dist_init_ports: Sequence[int] | None = None,
+    mem_fraction_static: float | None = None,
+    weight_update: WeightUpdate = "distributed",
+    weight_version: str = "0",
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+    supported_flags: Collection[str] | None = None,
+) -> list[SGLangServer]:
+    """The launch commands of every generation server of ``placement``, in server order.
+
+    ``ports[k]``: HTTP port of server k. ``seeds``: one per server, or a base seed (server k gets
+    ``seed + k``). ``node_hosts[n]``: the address of node n, used in URLs and ``--dist-init-addr``
+    (default ``127.0.0.1``, allowed only while every server is on node 0). ``host``: bind address
+    (default: the node's address). ``dist_init_ports[k]``: required for servers spanning nodes.
+    ``supported_flags``: the release's flags (`sglang_server_flags`); None = assume a current
+    release. Raises `SGLangArgsError` naming the setting to change.
+    """
+    alloc = placement.allocation
+    gen = alloc.generation
+    if gen is None:
+        raise SGLangArgsError(f"allocation {alloc} has no generation part: nothing to launch")
+    if gen.backend != "sglang":
+        raise SGLangArgsError(f"generation backend is {gen.backend!r}, not 'sglang': use the {gen.backend} launcher")
+    if weight_update not in ("distributed", "disk"):
+        raise SGLangArgsError(f"weight_update must be 'distributed' or 'disk', got {weight_update!r}")
+    if gen.pp > 1 and weight_update == "distributed":
+        raise SGLangArgsError(
+            f"generation {gen} uses pipeline parallelism (p{gen.pp}), but SGLang's "
+            "update_weights_from_distributed does not support pp>1: use tensor parallelism instead "
+            f"(e.g. sglang:d{gen.dp}t{gen.tp * gen.pp}) or update weights from disk"
+        )
+    servers = placement.servers
+    n = len(servers)
+    ports = _per_server("ports", ports, n)
+    seed_list = [seeds + k for k in range(n)] if isinstance(seeds, int) else _per_server("seeds", seeds, n)
+    if len(set(seed_list)) != n:
+        raise SGLangArgsError(f"seeds must differ per server (replicas would sample alike), got {seed_list}")
+    g = placement.devices_per_node
+    used_nodes = sorted({node for s in servers for node in s.nodes})
+    if node_hosts is None:
+        if used_nodes and used_nodes != [0]:
+            raise SGLangArgsError(
+                f"the generation servers run on nodes {used_nodes}: pass node_hosts (one address per node) "
+                "so that URLs and --dist-init-addr reach them"
+            )
+        node_hosts = ["127.0.0.1"] * max(1, placement.nodes)
+    if len(node_hosts) < placement.nodes:
+        raise SGLangArgsError(f"node_hosts has {len(node_hosts)} addresses for {placement.nodes} nodes")
+    _check_ports(servers, ports)
+    if dist_init_ports is not None:
+        dist_init_ports = _per_server("dist_init_ports", dist_init_ports, n)
+    flags = None if supported_flags is None else frozenset(supported_flags)
+    if flags is not None:
+        for flag, value in (("--api-key", api_key), ("--admin-api-key", admin_api_key)):
+            if value and flag not in flags:
+                raise SGLangArgsError(
+                    f"this SGLang release has no {flag}: the server would run unauthenticated; "
+                    "upgrade sglang or unset the key"
+                )
+
+    out: list[SGLangServer] = []
+    for k, sp in enumerate(servers):
+        shares = _node_shares(sp, g, gen)
+        node_addr = node_hosts[sp.node]
+        bind = host or node_addr
+        # --host is set per process below: a node-rank > 0 process runs on another node (and binds nothing
+        # in current releases), so it gets its own node's address, never node 0's.
+        head = [python, "-m", SGLANG_MODULE, "--model-path", model_path]
+        common = ["--port", str(ports[k]), "--tp-size", str(gen.tp), "--pp-size", str(gen.pp), "--dp-size", "1",
+                  "--random-seed", str(seed_list[k])]
+        if flags is None or "--weight-version" in flags:
+            common += ["--weight-version", weight_version]
+        common.append("--skip-server-warmup")  # the launcher's /health wait is the warm-up
+        if enable_metrics:
+            common.append("--enable-metrics")
+        if mem_fraction_static is not None:
+            if not 0.0 < mem_fraction_static < 1.0:
+                raise SGLangArgsError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+            common += ["--mem-fraction-static", repr(float(mem_fraction_static))]
+        if api_key:
+            common += ["--api-key", api_key]
+        if admin_api_key:
+            common += ["--admin-api-key", admin_api_key]
+        procs = []
+        for rank, (node, base) in enumerate(shares):
+            argv = [*head, "--host", host or node_hosts[node], *common, "--base-gpu-id", str(base)]
+            if len(shares) > 1:
+                if dist_init_ports is None:
+                    raise SGLangArgsError(
+                        f"generation server {k} (t{gen.tp}×p{gen.pp} = {len(sp.slots)} devices) spans "
+                        f"{len(shares)} nodes of {g}: pass dist_init_ports (one free port per server)"
+                    )
+                argv += ["--dist-init-addr", f"{node_hosts[shares[0][0]]}:{dist_init_ports[k]}",
+                         "--nnodes", str(len(shares)), "--node-rank", str(rank)]
+            argv += list(extra_args)
+            procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(WEIGHT_GROUP_ENV)))
+        out.append(SGLangServer(index=sp.index, url=f"http://{_url_host(node_addr)}:{ports[k]}", host=bind,
+                                port=ports[k], tp=gen.tp, pp=gen.pp, seed=seed_list[k], processes=tuple(procs)))
+    return out
+
+
+def weight_update_group_layout(servers: Sequence[SGLangServer]) -> list[tuple[str, int, int]]:
+    """``(url, rank_offset, world_size)`` per server for ``/init_weights_update_group``.
+
+    The trainer is rank 0; server k's tp rank j joins as ``rank_offset_k + j`` with
+    ``rank_offset_k = 1 + Σ devices of servers before k`` and ``world_size = 1 + all server devices``
+    — the same numbers `areal_like.weights.push.WeightPusher` sends given
+    ``devices_per_server=[s.devices for s in servers]``.
+    """
+    world = 1 + sum(s.devices for s in servers)
+    out = []
+    offset = 1
+    for s in servers:
+        out.append((s.url, offset, world))
+        offset += s.devices
+    return out
+
+
+def processes_on_node(servers: Sequence[SGLangServer], node: int) -> list[tuple[SGLangServer, SGLangProcess]]:
+    """The processes node ``node``'s launcher starts (multi-node backends run one launcher per node)."""
+    return [(s, p) for s in servers for p in s.processes if p.node == node]
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the values of ``--api-key`` / ``--admin-api-key`` replaced by ``***`` (for logs)."""
+    out = list(argv)
+    for i, a in enumerate(out[:-1]):
+        if a in SECRET_FLAGS:
+            out[i + 1] = "***"
+    return out
+
+
+# ---------------------------------------------------------------------------- the real package
+def require_sglang() -> str:
+    """sglang's version; raises `SGLangNotInstalled` (naming the extra to install) if it is absent.
+
+    Only the find is done here (cheap); importing sglang pulls in torch and CUDA.
+    """
+    if importlib.util.find_spec("sglang") is None:
+        raise SGLangNotInstalled(
+            f"generation backend 'sglang' needs the sglang package, which {sys.executable} cannot import: "
+            "pip install .[sglang] (GPU machines), or use the embedded backend (--allocation embedded.…)"
+        )
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def sglang_server_flags() -> frozenset[str]:
+    """The ``--flags`` the installed SGLang's ``launch_server`` accepts (for ``supported_flags``).
+
+    Read from ``ServerArgs``' fields (``tp_size`` → ``--tp-size``), which every release since 0.4
+    derives its command line from. Imports sglang: call it on the machine that runs the servers.
+    """
+    require_sglang()
+    import dataclasses
+
+    from sglang.srt.server_args import ServerArgs
+
+    return frozenset("--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerArgs))
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _per_server(what: str, values: Sequence[int], n: int) -> list[int]:
+    values = list(values)
+    if len(values) != n:
+        raise SGLangArgsError(f"{what} has {len(values)} entries for {n} generation servers: give one per server")
+    return values
+
+
+def _check_ports(servers: Sequence[ServerPlacement], ports: Sequence[int]) -> None:
+    seen: dict[tuple[int, int], int] = {}
+    for sp, port in zip(servers, ports):
+        if not 0 < port < 65536:
+            raise SGLangArgsError(f"port {port} of generation server {sp.index} is not a TCP port")
+        key = (sp.node, port)
+        if key in seen:
+            raise SGLangArgsError(
+                f"generation servers {seen[key]} and {sp.index} both use port {port} on node {sp.node}: "
+                "give each server on a node its own port"
+            )
+        seen[key] = sp.index
+
+
+def _node_shares(sp: ServerPlacement, g: int, gen) -> list[tuple[int, int]]:
+    """``(node, base_gpu_id)`` per node the server spans, checking SGLang's even split."""
+    per_node: dict[int, list[int]] = {}
+    for node, dev in sp.slots:
+        per_node.setdefault(node, []).append(dev)
+    shares = []
+    for node, devs in per_node.items():
+        if devs != list(range(devs[0], devs[0] + len(devs))):
+            raise SGLangArgsError(f"generation server {sp.index} has non-consecutive devices {devs} on node {node}")
+        shares.append((node, devs[0]))
+    if len(per_node) > 1:
+        sizes = {len(d) for d in per_node.values()}
+        if len(sizes) != 1:
+            split = "+".join(str(len(d)) for d in per_node.values())
+            raise SGLangArgsError(
+                f"generation server {sp.index} (t{gen.tp}×p{gen.pp} = {len(sp.slots)} devices) spans "
+                f"{len(per_node)} nodes of {g} devices unevenly ({split}); SGLang puts t×p/nnodes devices "
+                f"on every node: make t×p a multiple of {g}"
+            )
+    return shares
+
+
+def _url_host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

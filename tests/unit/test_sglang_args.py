@@ -1,0 +1,196 @@
+"""SGLang launch commands built from multi-node plans: argument construction only, nothing starts."""
+
+import asyncio
+
+import pytest
+
+from allocation import place
+from areal_like.engine.sglang_args import (
+    TRAINER_WEIGHT_GROUP_ENV,
+    SGLangArgsError,
+    SGLangNotInstalled,
+    build_sglang_servers,
+    processes_on_node,
+    redact_argv,
+    require_sglang,
+    weight_update_group_layout,
+)
+
+HOSTS = [f"node{i}" for i in range(8)]
+
+
+def flag(argv, name):
+    """Value of `name` in argv (None when absent); asserts it appears at most once."""
+    idx = [i for i, a in enumerate(argv) if a == name]
+    assert len(idx) <= 1, f"{name} repeated in {argv}"
+    return argv[idx[0] + 1] if idx else None
+
+
+def build(alloc, nodes, g=8, **kw):
+    plan = place(alloc, nodes, g)
+    n = len(plan.servers)
+    kw.setdefault("ports", [30000 + k for k in range(n)])
+    kw.setdefault("seeds", 7)
+    kw.setdefault("model_path", "/models/qwen")
+    if plan.nodes > 1:
+        kw.setdefault("node_hosts", HOSTS[: plan.nodes])
+    return build_sglang_servers(plan, **kw)
+
+
+def test_single_node_command_matches_protocol():
+    (s,) = build("sglang:d1+fsdp:d1", None, python="py")
+    (p,) = s.processes
+    assert p.argv[:3] == ("py", "-m", "sglang.launch_server")
+    assert list(p.argv[3:]) == [
+        "--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30000", "--tp-size", "1",
+        "--pp-size", "1", "--dp-size", "1", "--random-seed", "7", "--weight-version", "0",
+        "--skip-server-warmup", "--enable-metrics", "--base-gpu-id", "0",
+    ]
+    assert s.url == "http://127.0.0.1:30000" and s.node == 0 and s.devices == 1
+    assert p.env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+    assert "CUDA_VISIBLE_DEVICES" not in p.env  # devices are chosen by --base-gpu-id
+    assert TRAINER_WEIGHT_GROUP_ENV["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+
+
+def test_legacy_d16_on_four_nodes_of_eight():
+    servers = build("sglang.d16p1m1+d8p2m1", 4)
+    assert len(servers) == 16
+    assert [s.node for s in servers] == [0] * 8 + [1] * 8
+    assert [int(flag(s.processes[0].argv, "--base-gpu-id")) for s in servers] == list(range(8)) * 2
+    assert all(s.nnodes == 1 and flag(s.processes[0].argv, "--nnodes") is None for s in servers)
+    assert all(flag(s.processes[0].argv, "--tp-size") == "1" for s in servers)
+    assert [s.url for s in servers[7:9]] == ["http://node0:30007", "http://node1:30008"]
+    assert [flag(s.processes[0].argv, "--host") for s in servers[7:9]] == ["node0", "node1"]
+    seeds = [int(flag(s.processes[0].argv, "--random-seed")) for s in servers]
+    assert seeds == list(range(7, 23))  # distinct per server
+
+
+def test_tp8_servers_fill_one_node_each():
+    servers = build("sglang:d2t8+fsdp:d8", 3)
+    assert [(s.node, s.devices) for s in servers] == [(0, 8), (1, 8)]
+    for s in servers:
+        argv = s.processes[0].argv
+        assert flag(argv, "--tp-size") == "8" and flag(argv, "--base-gpu-id") == "0"
+        assert flag(argv, "--dp-size") == "1" and flag(argv, "--dist-init-addr") is None
+    assert weight_update_group_layout(servers) == [("http://node0:30000", 1, 17), ("http://node1:30001", 9, 17)]
+
+
+def test_server_spanning_two_nodes():
+    (s,) = build("sglang:d1t16+fsdp:d8", 3, dist_init_ports=[29600])
+    assert s.nnodes == 2 and s.url == "http://node0:30000"
+    head, tail = s.processes
+    assert (head.node, head.node_rank, tail.node, tail.node_rank) == (0, 0, 1, 1)
+    for p, rank in ((head, "0"), (tail, "1")):
+        assert flag(p.argv, "--tp-size") == "16"
+        assert flag(p.argv, "--nnodes") == "2" and flag(p.argv, "--node-rank") == rank
+        assert flag(p.argv, "--dist-init-addr") == "node0:29600"  # rank 0's node, on both
+        assert flag(p.argv, "--base-gpu-id") == "0"
+    assert (flag(head.argv, "--host"), flag(tail.argv, "--host")) == ("node0", "node1")  # each binds its own node
+    assert weight_update_group_layout([s]) == [("http://node0:30000", 1, 17)]
+
+
+def test_processes_per_node_for_one_launcher_per_node():
+    servers = build("sglang:d2t16+fsdp:d8", 5, dist_init_ports=[29600, 29700])
+    assert [[(s.index, p.node_rank) for s, p in processes_on_node(servers, n)] for n in range(5)] == [
+        [(0, 0)], [(0, 1)], [(1, 0)], [(1, 1)], []]
+    assert flag(processes_on_node(servers, 3)[0][1].argv, "--dist-init-addr") == "node2:29700"
+
+
+def test_spanning_server_needs_dist_init_port_and_even_split():
+    with pytest.raises(SGLangArgsError, match="dist_init_ports"):
+        build("sglang:d1t16+fsdp:d8", 3)
+    with pytest.raises(SGLangArgsError, match=r"unevenly \(8\+4\).*multiple of 8"):
+        build("sglang:d1t12+fsdp:d8", 3, dist_init_ports=[29600])
+
+
+def test_rank_offsets_with_mixed_nodes():
+    servers = build("sglang:d4t4+fsdp:d8", 3)
+    assert [(s.node, flag(s.processes[0].argv, "--base-gpu-id")) for s in servers] == [
+        (0, "0"), (0, "4"), (1, "0"), (1, "4")]
+    assert [(off, world) for _, off, world in weight_update_group_layout(servers)] == [
+        (1, 17), (5, 17), (9, 17), (13, 17)]
+
+
+def test_layout_agrees_with_weight_pusher(monkeypatch):
+    """WeightPusher computes the offsets itself: both must send the same numbers."""
+    from areal_like.weights import push
+
+    servers = build("sglang:d3t2+fsdp:d2", None)
+    sent = {}
+
+    async def fake_post(self, url, path, body, **kw):
+        sent[url] = (body["rank_offset"], body["world_size"])
+        return {"success": True}
+
+    monkeypatch.setattr(push.WeightPusher, "_post", fake_post)
+    monkeypatch.setattr(push, "init_weight_group", lambda **kw: object())
+    pusher = push.WeightPusher([s.url for s in servers], master_port=1, devices_per_server=[s.devices for s in servers])
+
+    async def run():
+        try:
+            await pusher.init()
+        finally:
+            await pusher._session.close()
+
+    asyncio.run(run())
+    assert [(u, *sent[u]) for u in pusher.server_urls] == weight_update_group_layout(servers)
+    assert weight_update_group_layout(servers)[-1][1:] == (5, 7)
+
+
+def test_keys_metrics_memory_and_extra_args():
+    (s,) = build("sglang:d1+fsdp:d1", None, api_key="u-key", admin_api_key="a-key", enable_metrics=False,
+                 mem_fraction_static=0.7, extra_args=["--context-length", "4096"])
+    argv = s.processes[0].argv
+    assert flag(argv, "--api-key") == "u-key" and flag(argv, "--admin-api-key") == "a-key"
+    assert "--enable-metrics" not in argv and flag(argv, "--mem-fraction-static") == "0.7"
+    assert argv[-2:] == ("--context-length", "4096")
+    shown = s.processes[0].shell()
+    assert "u-key" not in shown and "a-key" not in shown and "--api-key '***'" in shown
+    assert redact_argv(["x", "--admin-api-key"]) == ["x", "--admin-api-key"]  # no value to hide
+    (s,) = build("sglang:d1+fsdp:d1", None)
+    assert flag(s.processes[0].argv, "--api-key") is None and flag(s.processes[0].argv, "--admin-api-key") is None
+
+
+def test_explicit_seeds_must_differ():
+    servers = build("sglang:d2+fsdp:d1", None, seeds=[11, 5])
+    assert [s.seed for s in servers] == [11, 5]
+    with pytest.raises(SGLangArgsError, match="differ"):
+        build("sglang:d2+fsdp:d1", None, seeds=[3, 3])
+    with pytest.raises(SGLangArgsError, match="one per server"):
+        build("sglang:d2+fsdp:d1", None, seeds=[3])
+
+
+def test_pipeline_parallel_needs_disk_updates():
+    with pytest.raises(SGLangArgsError, match="pp>1.*sglang:d2t4"):
+        build("sglang:d2p2t2+fsdp:d8", None)
+    servers = build("sglang:d2p2t2+fsdp:d8", None, weight_update="disk")
+    assert [flag(s.processes[0].argv, "--pp-size") for s in servers] == ["2", "2"]
+    assert [flag(s.processes[0].argv, "--base-gpu-id") for s in servers] == ["0", "4"]
+
+
+def test_plan_errors_name_the_fix():
+    with pytest.raises(SGLangArgsError, match="node_hosts"):
+        build_sglang_servers(place("sglang:d2t8+fsdp:d8", 3, 8), model_path="m", ports=[1, 2], seeds=0)
+    with pytest.raises(SGLangArgsError, match="both use port 30000 on node 0"):
+        build("sglang:d2+fsdp:d1", None, ports=[30000, 30000])
+    build("sglang:d2t8+fsdp:d8", 3, ports=[30000, 30000])  # same port on different nodes is fine
+    with pytest.raises(SGLangArgsError, match="not 'sglang'"):
+        build("embedded:d1+fsdp:d1", None)
+    with pytest.raises(SGLangArgsError, match="no generation part"):
+        build_sglang_servers(place("fsdp:d2"), model_path="m", ports=[], seeds=0)
+
+
+def test_release_differences_by_supported_flags():
+    old = {"--model-path", "--host", "--port", "--tp-size", "--api-key"}  # a 0.4.x-like release
+    (s,) = build("sglang:d1+fsdp:d1", None, supported_flags=old, api_key="k")
+    assert "--weight-version" not in s.processes[0].argv
+    with pytest.raises(SGLangArgsError, match="--admin-api-key"):
+        build("sglang:d1+fsdp:d1", None, supported_flags=old, admin_api_key="k")
+
+
+def test_require_sglang_names_the_extra(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SGLangNotInstalled, match=r"pip install \.\[sglang\]"):
+        require_sglang()
