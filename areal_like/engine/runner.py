@@ -1,16 +1,29 @@
-"""The model runner: an HF causal LM, the batch's KV cache, one decode step for every running row.
+"""The model runner: an HF causal LM, a slot KV cache, one decode step for every running row.
 
 Everything here runs on ONE worker thread (the scheduler's executor); nothing here is thread-safe
 and nothing here touches asyncio, HTTP or tokenization of requests.
 
-KV layout (simple and correct first): one batched `DynamicCache` for all running rows, LEFT-padded
-to a common length L. Per row we keep the attention mask (1 = real token, 0 = pad) and the position
-of its next token, so RoPE positions stay per row. A decode step feeds one token per row.
-- A joining request is prefilled alone (batch of 1, no padding → no fully-masked query rows), then
-  its cache is left-padded and concatenated into the batch: O(B·L) copy, only on membership change.
-- A leaving row is index-selected out; leading columns that became padding for every row are cut.
-- Cost: DynamicCache appends with torch.cat, so each step copies the cache (O(B·L) per step). A
-  preallocated paged cache with a custom attention kernel is the obvious next speed-up.
+KV layout: `SlotKV`, one preallocated buffer per layer of shape (slots, kv_heads, capacity, head_dim).
+Running row i lives in slot i (rows are kept compact in slots 0..B-1) and stores the key/value of
+its token at absolute position p at index p, so RoPE positions and cache indices stay per row.
+```
+ decode step:  write each row's new K/V at its own position (one index_put per layer, no copy)
+               attend over slots[:B, :, :max_pos+1] (a view) with a (B,1,1,L) bool mask pos ≤ own pos
+ join:         admitted prompts are prefilled together (left-padded, one forward), then their K/V
+               are written into their slots; the n samples of one prompt share ONE prefill row
+               (prefix reuse: the prompt's K/V is copied into the n slots)
+ leave:        the last row moves into the freed slot (O(L) copy per leaving row, not per step)
+```
+The capacity grows by doubling up to --max-context-len, so memory follows the longest live row.
+The model's own forward runs unchanged (its attention calls `past_key_values.update`); we pass a
+prepared 4D mask so no per-step mask building happens inside transformers (sdpa attention only).
+
+Per step there is exactly one device→host transfer: tokens, logprobs, finish codes (and the top
+logprobs when a row asked for them) are packed into one float64 tensor.
+
+Logprobs keep the one shared definition (`log_softmax(logits / T)` of the raw logits, PROTOCOL.md):
+penalties and the min_new_tokens EOS mask shape what is *sampled*, like top-p/top-k, but do not
+renormalise the reported logprobs — so the learner's recomputation matches exactly.
 """
 
 from __future__ import annotations
@@ -21,10 +34,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_like.engine.sampling import sample_next
-from areal_like.learner.logprobs import token_logprobs_from_logits
+from areal_like.engine.sampling import GREEDY_EPS, apply_penalties, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +60,25 @@ class Seq:
     min_new_tokens: int = 0
     stop_ids: tuple[int, ...] = ()  # EOS (unless ignore_eos) + stop_token_ids
     seed: int = 0  # derived per sample; int64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_logprobs_num: int = 0  # top-k logprobs to report per output token
+    stop_strs: tuple[str, ...] = ()  # checked by the scheduler's text_stop hook (tokenization lives there)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # per output token: (logprobs, token ids) of the top `top_logprobs_num` tokens
+    output_top: list[tuple[list[float], list[int]]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from another row's prefill (n>1 groups)
+
     # Prefill input: prompt + tokens generated before a retract (the runner drops the KV on retract).
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def has_penalty(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass
@@ -64,31 +89,118 @@ class StepOutput:
     finish: list[int]  # RUNNING | FINISH_STOP | FINISH_LENGTH per row
     prefill_tokens: int
     seconds: float
+    top: list | None = None  # per row: (top logprobs, top ids) for rows with top_logprobs_num > 0, else None
+
+
+class SlotKV:
+    """Preallocated per-slot KV for all layers; duck-types the `Cache.update` the HF attention calls.
+
+    Two modes, set by the runner before each forward:
+    - decode: `update` writes the (B, H, 1, D) new K/V at `pos_B` of slots 0..B-1 and returns views
+      of the first `kv_len` positions;
+    - prefill: `update` writes the left-padded (P, H, T, D) K/V of the prompts into their slots
+      (`dst_slots` ← prefill row `src_rows`, aligned to position 0) and returns the prompts' own K/V.
+    """
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device, capacity: int,
+                 max_capacity: int):
+        self.num_layers, self.slots, self.kv_heads, self.head_dim = num_layers, slots, kv_heads, head_dim
+        self.dtype, self.device, self.max_capacity = dtype, device, max_capacity
+        self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self._alloc(min(capacity, max_capacity))
+        self.mode = "decode"
+        self.n_rows = 0
+        self.kv_len = 0
+        self.pos_B: torch.Tensor | None = None
+        self.gather_PT: torch.Tensor | None = None  # prefill: source index of slot position t for row p
+        self.src_rows: torch.Tensor | None = None
+        self.dst_slots: torch.Tensor | None = None
+
+    def _alloc(self, capacity: int) -> None:
+        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
+        old_k, old_v, old_cap = self.k, self.v, self.capacity
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for i in range(len(old_k)):
+            self.k[i][:, :, :old_cap] = old_k[i]
+            self.v[i][:, :, :old_cap] = old_v[i]
+        self.capacity = capacity
+
+    def ensure(self, length: int) -> None:
+        """Make room for positions [0, length); doubling keeps the copies amortised."""
+        if length > self.capacity:
+            self._alloc(min(self.max_capacity, max(length, 2 * self.capacity)))
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy slots `src` → `dst` (disjoint index sets), positions [0, length)."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        if self.mode == "decode":
+            B = self.n_rows
+            rows_B = torch.arange(B, device=k.device)
+            k[rows_B, :, self.pos_B] = key_states[:, :, 0]  # (B, H, D) at each row's own position
+            v[rows_B, :, self.pos_B] = value_states[:, :, 0]
+            return k[:B, :, :self.kv_len], v[:B, :, :self.kv_len]
+        # prefill: realign the left-padded rows to position 0, then copy into the target slots
+        P, H, T, D = key_states.shape
+        idx = self.gather_PT[:, None, :, None].expand(P, H, T, D)
+        k_al, v_al = key_states.gather(2, idx), value_states.gather(2, idx)
+        k[self.dst_slots, :, :T] = k_al.index_select(0, self.src_rows)
+        v[self.dst_slots, :, :T] = v_al.index_select(0, self.src_rows)
+        return key_states, value_states
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_context_len: int = 512):
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_context_len: int = 512,
+                 max_batch_size: int = 64, max_prefill_tokens: int = 4096):
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.max_context_len = max_context_len
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        # sdpa: the prepared 4D bool masks below are in sdpa's convention (True = attend)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                          attn_implementation="sdpa").to(self.device).eval()
         self.config = self.model.config
         self.vocab_size = int(self.config.vocab_size)
         self.eos_token_ids = self._eos_ids()
-        self._reset_batch()
-
-    # ---------------------------------------------------------------- batch state
-    def _reset_batch(self) -> None:
-        self.rows: list[Seq] = []
-        self.cache: DynamicCache | None = None
-        dev = self.device
-        self.mask_BL = torch.zeros(0, 0, dtype=torch.long, device=dev)
-        self.next_pos_B = torch.zeros(0, dtype=torch.long, device=dev)  # position of the token fed next
-        self.last_tok_B = torch.zeros(0, dtype=torch.long, device=dev)
-        self.gen_count_B = torch.zeros(0, dtype=torch.long, device=dev)
-        self._params_dirty = True
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.kv = SlotKV(cfg.num_hidden_layers, max_batch_size, kv_heads, head_dim, self.dtype, self.device,
+                         capacity=128, max_capacity=max_context_len)
+        S, dev = max_batch_size, self.device
+        f32, i64 = torch.float32, torch.long
+        # Per-slot state, written at join, moved on leave, sliced [:B] in the decode step.
+        self.st = {
+            "last_tok": torch.zeros(S, dtype=i64, device=dev), "next_pos": torch.zeros(S, dtype=i64, device=dev),
+            "gen_count": torch.zeros(S, dtype=i64, device=dev), "temp": torch.ones(S, dtype=f32, device=dev),
+            "top_p": torch.ones(S, dtype=f32, device=dev), "top_k": torch.full((S,), -1, dtype=i64, device=dev),
+            "min_p": torch.zeros(S, dtype=f32, device=dev), "seed": torch.zeros(S, dtype=i64, device=dev),
+            "max_new": torch.zeros(S, dtype=i64, device=dev), "min_new": torch.zeros(S, dtype=i64, device=dev),
+            "freq": torch.zeros(S, dtype=f32, device=dev), "pres": torch.zeros(S, dtype=f32, device=dev),
+            "rep": torch.ones(S, dtype=f32, device=dev),
+        }
+        self.stop_SW = torch.full((S, 1), -1, dtype=i64, device=dev)  # stop ids per slot, −1 padded
+        self.counts_SV: torch.Tensor | None = None  # generated-token counts, allocated at the first penalty row
+        self.rows: list[Seq] = []  # rows[i] lives in slot i
+        self.slot_of: dict[int, int] = {}  # id(seq) → slot
+        self.join_pos: list[int] = [0] * S  # next_pos at join …
+        self.join_step: list[int] = [0] * S  # … and the step counter then: pos = join_pos + steps since
+        self.steps = 0
+        self.max_next_pos = 0  # host copy of max(next_pos[:B]): the decode attention length − 1
+        self._flags_dirty = True
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -106,77 +218,85 @@ class ModelRunner:
     def num_rows(self) -> int:
         return len(self.rows)
 
-    def _rebuild_params(self) -> None:
-        """Per-row sampling tensors; rebuilt only when membership changes."""
-        dev, rows = self.device, self.rows
-        self.temp_B = torch.tensor([s.temperature for s in rows], dtype=torch.float32, device=dev)
-        self.top_p_B = torch.tensor([s.top_p for s in rows], dtype=torch.float32, device=dev)
-        self.top_k_B = torch.tensor([s.top_k for s in rows], dtype=torch.long, device=dev)
-        self.min_p_B = torch.tensor([s.min_p for s in rows], dtype=torch.float32, device=dev)
-        self.seed_B = torch.tensor([s.seed for s in rows], dtype=torch.long, device=dev)
-        self.max_new_B = torch.tensor([s.max_new_tokens for s in rows], dtype=torch.long, device=dev)
-        self.min_new_B = torch.tensor([s.min_new_tokens for s in rows], dtype=torch.long, device=dev)
-        width = max([len(s.stop_ids) for s in rows] + [1])
-        self.stop_BS = torch.tensor([list(s.stop_ids) + [-1] * (width - len(s.stop_ids)) for s in rows],
-                                    dtype=torch.long, device=dev).reshape(len(rows), width)
+    def _rebuild_flags(self) -> None:
+        """Host-side facts about the batch that let the step skip work; only on membership change."""
+        rows = self.rows
         self.needs_filter = any(s.top_p < 1.0 or s.top_k > 0 or s.min_p > 0.0 for s in rows)
-        # Logprobs are computed per distinct temperature (usually one), never per row.
-        temps: dict[float, list[int]] = {}
-        for i, s in enumerate(rows):
-            temps.setdefault(s.temperature, []).append(i)
-        self.temp_groups = [(t, torch.tensor(ix, dtype=torch.long, device=dev)) for t, ix in temps.items()]
-        self._params_dirty = False
+        self.all_greedy = all(s.temperature < GREEDY_EPS for s in rows)
+        self.any_penalty = any(s.has_penalty for s in rows)
+        self.any_min_new = any(s.min_new_tokens > len(s.output_ids) for s in rows)
+        self.top_n = max([s.top_logprobs_num for s in rows] + [0])
+        self._flags_dirty = False
 
     # ---------------------------------------------------------------- membership
     def release(self, seqs: list[Seq]) -> None:
-        """Drop rows (finished, aborted, retracted). Unknown seqs are ignored."""
-        if not seqs or not self.rows:
+        """Drop rows (finished, aborted, retracted); the last rows move into the freed slots."""
+        gone = sorted({self.slot_of[id(s)] for s in seqs if id(s) in self.slot_of}, reverse=True)
+        if not gone:
             return
-        gone = {id(s) for s in seqs}
-        keep = [i for i, s in enumerate(self.rows) if id(s) not in gone]
-        if len(keep) == len(self.rows):
-            return
-        if not keep:
-            self._reset_batch()
-            return
-        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.rows = [self.rows[i] for i in keep]
-        self.mask_BL = self.mask_BL.index_select(0, keep_t)
-        self.next_pos_B = self.next_pos_B.index_select(0, keep_t)
-        self.last_tok_B = self.last_tok_B.index_select(0, keep_t)
-        self.gen_count_B = self.gen_count_B.index_select(0, keep_t)
-        # Leading columns that are padding in every remaining row can go.
-        first = int(self.mask_BL.any(dim=0).long().argmax())  # host sync on membership change only
-        kv = []
-        for layer in self.cache.layers:
-            kv.append((layer.keys.index_select(0, keep_t)[:, :, first:], layer.values.index_select(0, keep_t)[:, :, first:]))
-        self.mask_BL = self.mask_BL[:, first:]
-        self.cache = DynamicCache(kv, config=self.config)
-        self._params_dirty = True
+        perm = list(range(len(self.rows)))  # perm[i] = original slot of the row now at i
+        for slot in gone:
+            last = len(perm) - 1
+            perm[slot] = perm[last]
+            perm.pop()
+            self.slot_of.pop(id(self.rows[slot]), None)
+            self.rows[slot] = self.rows[last]
+            self.rows.pop()
+            self.join_pos[slot], self.join_step[slot] = self.join_pos[last], self.join_step[last]
+        moves = [(src, dst) for dst, src in enumerate(perm) if src != dst]  # src ≥ new B > dst: disjoint
+        if moves:
+            src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
+            dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
+            for t in self.st.values():
+                t[dst] = t[src]
+            self.stop_SW[dst] = self.stop_SW[src]
+            if self.counts_SV is not None:
+                self.counts_SV[dst] = self.counts_SV[src]
+            self.kv.move(src, dst, self.max_next_pos + 1)
+            for d in dst.tolist():
+                self.slot_of[id(self.rows[d])] = d
+        self.max_next_pos = max([self._pos(i) for i in range(len(self.rows))] + [0])
+        self._flags_dirty = True
 
-    def _join(self, seq: Seq, cache1: DynamicCache, length: int, first_tok: int) -> None:
-        """Left-pad a freshly prefilled single-row cache into the batch."""
+    def _pos(self, slot: int) -> int:
+        return self.join_pos[slot] + self.steps - self.join_step[slot]
+
+    def _assign(self, seqs: list[Seq]) -> torch.Tensor:
+        """Give each admitted seq a slot and write its sampling parameters there."""
         dev = self.device
-        new_mask = torch.ones(1, length, dtype=torch.long, device=dev)
-        if self.cache is None or not self.rows:
-            kv = [(layer.keys, layer.values) for layer in cache1.layers]
-            mask = new_mask
-        else:
-            L = self.mask_BL.shape[1]
-            T = max(L, length)
-            kv = []
-            for lb, l1 in zip(self.cache.layers, cache1.layers):
-                kb, vb = _left_pad(lb.keys, T), _left_pad(lb.values, T)
-                k1, v1 = _left_pad(l1.keys, T), _left_pad(l1.values, T)
-                kv.append((torch.cat([kb, k1]), torch.cat([vb, v1])))
-            mask = torch.cat([_left_pad(self.mask_BL, T), _left_pad(new_mask, T)])
-        self.cache = DynamicCache(kv, config=self.config)
-        self.mask_BL = mask
-        self.rows.append(seq)
-        self.next_pos_B = torch.cat([self.next_pos_B, torch.tensor([length], dtype=torch.long, device=dev)])
-        self.last_tok_B = torch.cat([self.last_tok_B, torch.tensor([first_tok], dtype=torch.long, device=dev)])
-        self.gen_count_B = torch.cat([self.gen_count_B, torch.tensor([len(seq.output_ids) + 1], dtype=torch.long, device=dev)])
-        self._params_dirty = True
+        first = len(self.rows)
+        if first + len(seqs) > self.max_batch_size:
+            raise RuntimeError(f"{first + len(seqs)} rows exceed --max-batch-size {self.max_batch_size}")
+        slots = list(range(first, first + len(seqs)))
+        for slot, s in zip(slots, seqs):
+            self.rows.append(s)
+            self.slot_of[id(s)] = slot
+        dst = torch.tensor(slots, dtype=torch.long, device=dev)
+        vals = {"temp": [s.temperature for s in seqs], "top_p": [s.top_p for s in seqs],
+                "top_k": [s.top_k for s in seqs], "min_p": [s.min_p for s in seqs], "seed": [s.seed for s in seqs],
+                "max_new": [s.max_new_tokens for s in seqs], "min_new": [s.min_new_tokens for s in seqs],
+                "freq": [s.frequency_penalty for s in seqs], "pres": [s.presence_penalty for s in seqs],
+                "rep": [s.repetition_penalty for s in seqs],
+                "gen_count": [len(s.output_ids) + 1 for s in seqs]}  # counts tokens from before a retract too
+        for k, v in vals.items():
+            self.st[k][dst] = torch.tensor(v, dtype=self.st[k].dtype, device=dev)
+        width = max(len(s.stop_ids) for s in seqs)
+        if width > self.stop_SW.shape[1]:
+            pad = torch.full((self.max_batch_size, width - self.stop_SW.shape[1]), -1, dtype=torch.long, device=dev)
+            self.stop_SW = torch.cat([self.stop_SW, pad], dim=1)
+        W = self.stop_SW.shape[1]
+        self.stop_SW[dst] = torch.tensor([list(s.stop_ids) + [-1] * (W - len(s.stop_ids)) for s in seqs],
+                                         dtype=torch.long, device=dev)
+        if self.counts_SV is None and any(s.has_penalty for s in seqs):
+            self.counts_SV = torch.zeros(self.max_batch_size, self.vocab_size, dtype=torch.float32, device=dev)
+        if self.counts_SV is not None:
+            self.counts_SV[dst] = 0.0
+            for slot, s in zip(slots, seqs):
+                if s.output_ids:  # tokens generated before a retract still count
+                    self.counts_SV[slot].index_add_(0, torch.tensor(s.output_ids, device=dev),
+                                                    torch.ones(len(s.output_ids), device=dev))
+        self._flags_dirty = True
+        return dst
 
     # ---------------------------------------------------------------- compute
     @torch.inference_mode()
@@ -185,84 +305,168 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.release(drop)
         seqs: list[Seq] = []
-        toks: list[torch.Tensor] = []
-        lps: list[torch.Tensor] = []
-        fins: list[torch.Tensor] = []
+        parts: list[tuple] = []  # (tok, lp, fin, top_vals, top_ids) per phase
         if self.rows:
-            if self._params_dirty:
-                self._rebuild_params()
-            B = len(self.rows)
-            mask = torch.cat([self.mask_BL, torch.ones(B, 1, dtype=torch.long, device=self.device)], dim=1)
-            out = self.model(input_ids=self.last_tok_B[:, None], attention_mask=mask,
-                             position_ids=self.next_pos_B[:, None], past_key_values=self.cache, use_cache=True)
-            self.cache = out.past_key_values
-            self.mask_BL = mask
-            self.next_pos_B = self.next_pos_B + 1
-            logits_BV = out.logits[:, -1, :]
-            tok_B, lp_B, fin_B = self._sample(logits_BV, self.next_pos_B, self.gen_count_B + 1,
-                                              self.temp_B, self.top_p_B, self.top_k_B, self.min_p_B, self.seed_B,
-                                              self.max_new_B, self.min_new_B, self.stop_BS, self.temp_groups,
-                                              self.needs_filter)
-            self.last_tok_B = tok_B
-            self.gen_count_B = self.gen_count_B + 1
+            if self._flags_dirty:
+                self._rebuild_flags()
             seqs.extend(self.rows)
-            toks.append(tok_B)
-            lps.append(lp_B)
-            fins.append(fin_B)
+            parts.append(self._decode())
         prefill_tokens = 0
-        for seq in admit:
-            ids = seq.all_ids
-            prefill_tokens += len(ids)
-            tok, lp, fin, cache1 = self._prefill_one(seq, ids)
-            seqs.append(seq)
-            toks.append(tok)
-            lps.append(lp)
-            fins.append(fin)
-            if int(fin[0]) == RUNNING:  # host sync per admitted request only
-                self._join(seq, cache1, len(ids), int(tok[0]))
+        if admit:
+            prefill_tokens, part = self._prefill(admit)
+            seqs.extend(admit)
+            parts.append(part)
         if not seqs:
             return StepOutput([], [], [], [], 0, time.perf_counter() - t0)
-        # One host sync per step for all rows' results.
-        tokens = torch.cat(toks).tolist()
-        logprobs = torch.cat(lps).tolist()
-        finish = torch.cat(fins).tolist()
-        return StepOutput(seqs, tokens, logprobs, finish, prefill_tokens, time.perf_counter() - t0)
+        return self._collect(seqs, parts, prefill_tokens, t0)
 
-    def _prefill_one(self, seq: Seq, ids: list[int]):
+    def _collect(self, seqs, parts, prefill_tokens, t0) -> StepOutput:
+        """The step's ONE device→host transfer: every row's token, logprob, finish code (and top-k)."""
+        k = max(p[3].shape[1] if p[3] is not None else 0 for p in parts)
+        cols = []
+        for tok, lp, fin, tv, ti in parts:
+            n = tok.shape[0]
+            c = [tok.double()[:, None], lp.double()[:, None], fin.double()[:, None]]
+            if k:
+                tv = tv if tv is not None else torch.zeros(n, 0, device=tok.device)
+                ti = ti if ti is not None else torch.zeros(n, 0, device=tok.device)
+                padw = k - tv.shape[1]
+                c += [torch.nn.functional.pad(tv.double(), (0, padw)), torch.nn.functional.pad(ti.double(), (0, padw))]
+            cols.append(torch.cat(c, dim=1))
+        packed = torch.cat(cols).cpu()  # host sync (the only one of a step without admissions)
+        tokens = packed[:, 0].long().tolist()
+        logprobs = packed[:, 1].float().tolist()
+        finish = packed[:, 2].long().tolist()
+        top = None
+        if k:
+            vals, ids = packed[:, 3:3 + k].float().tolist(), packed[:, 3 + k:].long().tolist()
+            top = [(vals[i][:s.top_logprobs_num], ids[i][:s.top_logprobs_num]) if s.top_logprobs_num else None
+                   for i, s in enumerate(seqs)]
+        return StepOutput(seqs, tokens, logprobs, finish, prefill_tokens, time.perf_counter() - t0, top)
+
+    def _decode(self):
+        B, st, kv = len(self.rows), self.st, self.kv
+        pos_B = st["next_pos"][:B]
+        kv_len = self.max_next_pos + 1
+        kv.ensure(kv_len)
+        kv.mode, kv.n_rows, kv.pos_B, kv.kv_len = "decode", B, pos_B, kv_len
+        mask_B11L = (torch.arange(kv_len, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
+        out = self.model(input_ids=st["last_tok"][:B, None], position_ids=pos_B[:, None],
+                         attention_mask={"full_attention": mask_B11L}, past_key_values=kv, use_cache=True)
+        logits_BV = out.logits[:, -1, :]
+        pos_B = pos_B + 1  # where the sampled token sits
+        res = self._sample(logits_BV, slice(0, B), pos_B, st["gen_count"][:B])
+        st["next_pos"][:B] = pos_B
+        st["last_tok"][:B] = res[0]
+        st["gen_count"][:B] += 1
+        self.steps += 1
+        self.max_next_pos += 1
+        return res
+
+    def _prefill(self, admit: list[Seq]):
+        """Prefill admitted seqs: one row per distinct prompt (n samples share it), left-padded and
+        chunked by --max-prefill-tokens; returns (prefill tokens, sample results in `admit` order)."""
         dev = self.device
-        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
-        cache1 = DynamicCache(config=self.config)
-        out = self.model(input_ids=input_ids, past_key_values=cache1, use_cache=True)
-        logits_1V = out.logits[:, -1, :]
-        pos = torch.tensor([len(ids)], dtype=torch.long, device=dev)  # position of the token being sampled
-        gen_count = torch.tensor([len(seq.output_ids) + 1], dtype=torch.long, device=dev)
-        width = max(len(seq.stop_ids), 1)
-        stop = torch.tensor([list(seq.stop_ids) + [-1] * (width - len(seq.stop_ids))], dtype=torch.long, device=dev)
-        one = lambda v, dt: torch.tensor([v], dtype=dt, device=dev)  # noqa: E731
-        tok, lp, fin = self._sample(
-            logits_1V, pos, gen_count, one(seq.temperature, torch.float32), one(seq.top_p, torch.float32),
-            one(seq.top_k, torch.long), one(seq.min_p, torch.float32), one(seq.seed, torch.long),
-            one(seq.max_new_tokens, torch.long), one(seq.min_new_tokens, torch.long), stop,
-            [(seq.temperature, torch.zeros(1, dtype=torch.long, device=dev))],
-            seq.top_p < 1.0 or seq.top_k > 0 or seq.min_p > 0.0)
-        # Note: gen_count counts tokens of this request including ones generated before a retract.
-        return tok, lp, fin, out.past_key_values
+        dst_all = self._assign(admit)
+        self._rebuild_flags()
+        groups: dict[tuple[int, ...], list[int]] = {}  # prompt → indices into admit
+        for i, s in enumerate(admit):
+            groups.setdefault(tuple(s.all_ids), []).append(i)
+        logits_rows: list[torch.Tensor | None] = [None] * len(admit)
+        prefill_tokens = 0
+        chunk: list[tuple[tuple[int, ...], list[int]]] = []
+        items = list(groups.items())
+        for n, item in enumerate(items):
+            chunk.append(item)
+            T = max(len(p) for p, _ in chunk)
+            nxt = len(items[n + 1][0]) if n + 1 < len(items) else 0
+            if n + 1 == len(items) or (len(chunk) + 1) * max(T, nxt) > self.max_prefill_tokens:
+                prefill_tokens += self._prefill_chunk(chunk, dst_all, logits_rows)
+                chunk = []
+        for members in groups.values():
+            for j in members[1:]:
+                admit[j].cached_tokens = len(admit[j].all_ids)
+        logits_NV = torch.stack(logits_rows)
+        lens = [len(s.all_ids) for s in admit]
+        pos_N = torch.tensor(lens, dtype=torch.long, device=dev)  # position of the token being sampled
+        res = self._sample(logits_NV, dst_all, pos_N, self.st["gen_count"][dst_all])
+        st = self.st
+        st["next_pos"][dst_all] = pos_N
+        st["last_tok"][dst_all] = res[0]
+        st["gen_count"][dst_all] += 1
+        for slot, L in zip(dst_all.tolist(), lens):
+            self.join_pos[slot], self.join_step[slot] = L, self.steps
+        self.max_next_pos = max([self.max_next_pos] + lens)
+        return prefill_tokens, res
 
-    def _sample(self, logits_BV, position_B, gen_count_B, temp_B, top_p_B, top_k_B, min_p_B, seed_B,
-                max_new_B, min_new_B, stop_BS, temp_groups, needs_filter):
-        """Sample, score (the shared logprob definition) and decide finish for every row at once."""
-        tok_B = sample_next(logits_BV, temp_B, top_p_B, top_k_B, min_p_B, seed_B, position_B, needs_filter=needs_filter)
-        if len(temp_groups) == 1:
-            lp_B = token_logprobs_from_logits(logits_BV, tok_B, temp_groups[0][0])
-        else:
-            lp_B = torch.empty(tok_B.shape, dtype=torch.float32, device=tok_B.device)
-            for t, ix in temp_groups:
-                lp_B[ix] = token_logprobs_from_logits(logits_BV.index_select(0, ix), tok_B.index_select(0, ix), t)
+    def _prefill_chunk(self, chunk, dst_all, logits_rows) -> int:
+        dev = self.device
+        P = len(chunk)
+        T = max(len(p) for p, _ in chunk)
+        pad = [T - len(p) for p, _ in chunk]
+        ids_PT = torch.tensor([[0] * d + list(p) for d, (p, _) in zip(pad, chunk)], dtype=torch.long, device=dev)
+        pad_P = torch.tensor(pad, dtype=torch.long, device=dev)
+        t_T = torch.arange(T, device=dev)
+        pos_PT = (t_T[None, :] - pad_P[:, None]).clamp_(min=0)
+        # causal, real keys only; a padding query attends to itself so no row is fully masked (NaN)
+        causal_TT = t_T[None, :] <= t_T[:, None]
+        mask_P1TT = (causal_TT[None] & (t_T[None, None, :] >= pad_P[:, None, None])) | torch.eye(T, dtype=torch.bool,
+                                                                                                  device=dev)[None]
+        src_rows, dst_slots = [], []
+        for p, (_, members) in enumerate(chunk):
+            for j in members:
+                src_rows.append(p)
+                dst_slots.append(int(dst_all[j]))
+        kv = self.kv
+        kv.ensure(T)
+        kv.mode = "prefill"
+        kv.gather_PT = (t_T[None, :] + pad_P[:, None]).clamp_(max=T - 1)  # slot position t ← padded index t+pad
+        kv.src_rows = torch.tensor(src_rows, dtype=torch.long, device=dev)
+        kv.dst_slots = torch.tensor(dst_slots, dtype=torch.long, device=dev)
+        try:
+            out = self.model(input_ids=ids_PT, position_ids=pos_PT,
+                             attention_mask={"full_attention": mask_P1TT[:, None]},
+                             past_key_values=kv, use_cache=True, logits_to_keep=1)
+        finally:
+            kv.mode = "decode"
+        last_PV = out.logits[:, -1, :]
+        for p, (_, members) in enumerate(chunk):
+            for j in members:
+                logits_rows[j] = last_PV[p]
+        return int(sum(len(p) for p, _ in chunk))
+
+    def _sample(self, logits_BV: torch.Tensor, rows, position_B: torch.Tensor, gen_count_B: torch.Tensor):
+        """Sample, score (the shared logprob definition) and decide finish for every row at once.
+
+        rows: slice or index tensor into the per-slot state; position_B: where the sampled token sits;
+        gen_count_B: how many tokens the row has generated once this one is counted."""
+        st = self.st
+        logits_BV = logits_BV.float()
+        temp_B, stop_BS, min_new_B = st["temp"][rows], self.stop_SW[rows], st["min_new"][rows]
+        sample_BV = logits_BV
+        if self.any_penalty:
+            sample_BV = apply_penalties(sample_BV, self.counts_SV[rows], st["freq"][rows], st["pres"][rows],
+                                        st["rep"][rows])
+        if self.any_min_new:  # stop tokens cannot be sampled before min_new_tokens
+            block_BS = (gen_count_B < min_new_B)[:, None] & (stop_BS >= 0)
+            hits_BV = torch.zeros_like(sample_BV).scatter_add_(1, stop_BS.clamp(min=0), block_BS.float())
+            sample_BV = sample_BV.masked_fill(hits_BV > 0, float("-inf"))
+        tok_B = sample_next(sample_BV, temp_B, st["top_p"][rows], st["top_k"][rows], st["min_p"][rows],
+                            st["seed"][rows], position_B, needs_filter=self.needs_filter, all_greedy=self.all_greedy)
+        # the shared definition (areal_like.learner.logprobs): raw logits / T, T < eps counts as 1
+        t_B = torch.where(temp_B < GREEDY_EPS, torch.ones_like(temp_B), temp_B)
+        logp_BV = torch.log_softmax(logits_BV / t_B[:, None], dim=-1)
+        lp_B = logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
+        top_v = top_i = None
+        if self.top_n:
+            top_v, top_i = logp_BV.topk(min(self.top_n, logp_BV.shape[-1]), dim=-1)
+        if self.counts_SV is not None:
+            self.counts_SV[rows] = self.counts_SV[rows].scatter_add(1, tok_B[:, None], torch.ones_like(lp_B)[:, None])
         stop_hit = (tok_B[:, None] == stop_BS).any(dim=1) & (gen_count_B >= min_new_B)
         # position_B is where the sampled token sits; the context holds position+1 tokens after it.
-        length_hit = (gen_count_B >= max_new_B) | (position_B + 1 >= self.max_context_len)
+        length_hit = (gen_count_B >= st["max_new"][rows]) | (position_B + 1 >= self.max_context_len)
         fin_B = torch.where(stop_hit, FINISH_STOP, torch.where(length_hit, FINISH_LENGTH, RUNNING))
-        return tok_B, lp_B, fin_B
+        return tok_B, lp_B, fin_B, top_v, top_i
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -313,14 +517,3 @@ class ModelRunner:
 
 def _is_tied(name: str, config) -> bool:
     return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
-
-
-def _left_pad(x: torch.Tensor, T: int) -> torch.Tensor:
-    """Left-pad dim 2 (KV: B,H,L,D) or dim 1 (mask: B,L) with zeros to length T."""
-    dim = 2 if x.dim() == 4 else 1
-    n = T - x.shape[dim]
-    if n == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n
-    return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim=dim)

@@ -73,18 +73,22 @@ def sample_next(
     position_B: torch.Tensor,
     *,
     needs_filter: bool = True,
+    all_greedy: bool | None = None,
 ) -> torch.Tensor:
     """Sample one token per row; returns int64 (B,).
 
     temperature_B (float32) < GREEDY_EPS → argmax. top_k_B ≤ 0 disables top-k; top_p_B = 1 and
     min_p_B = 0 disable those. `needs_filter=False` (no row uses top-p/top-k/min-p) skips the sort.
-    seed_B/position_B: int64 on the logits' device.
+    seed_B/position_B: int64 on the logits' device. `all_greedy` (known on the host by the caller)
+    skips the device→host check of whether every row is greedy.
     """
     logits_BV = logits_BV.float()
     B, V = logits_BV.shape
     greedy_B = temperature_B < GREEDY_EPS
     argmax_B = logits_BV.argmax(dim=-1)
-    if bool(greedy_B.all()):  # host sync, but saves the softmax for all-greedy batches
+    if all_greedy is None:
+        all_greedy = bool(greedy_B.all())  # host sync, but saves the softmax for all-greedy batches
+    if all_greedy:
         return argmax_B
     temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B)
     scaled_BV = logits_BV / temp_B[:, None]
@@ -111,3 +115,17 @@ def sample_next(
         landed_on_dropped = probs_BV.gather(-1, pick_B.unsqueeze(-1)).squeeze(-1) <= 0
         pick_B = torch.where(landed_on_dropped, argmax_B, pick_B)
     return torch.where(greedy_B, argmax_B, pick_B)
+
+
+def apply_penalties(logits_BV: torch.Tensor, counts_BV: torch.Tensor, frequency_B: torch.Tensor,
+                    presence_B: torch.Tensor, repetition_B: torch.Tensor) -> torch.Tensor:
+    """SGLang/OpenAI penalties from the counts of tokens this request generated so far (fp32, (B, V)).
+
+    frequency: −f·count; presence: −p·[count>0]; repetition (CTRL/HF): a seen token's logit is
+    divided by r when positive, multiplied by r when negative. Rows with 0/0/1 are unchanged.
+    """
+    seen_BV = counts_BV > 0
+    logits_BV = logits_BV - frequency_B[:, None] * counts_BV - presence_B[:, None] * seen_BV
+    rep_BV = repetition_B[:, None].expand_as(logits_BV)
+    penalised = torch.where(logits_BV > 0, logits_BV / rep_BV, logits_BV * rep_BV)
+    return torch.where(seen_BV, penalised, logits_BV)

@@ -8,8 +8,10 @@
  weight loads ──► same single-thread executor: they run between two steps, never during one
 ```
 The scheduler waits on `_wake` when idle or paused. Requests join and leave between decode steps.
-Requests are resolved on the loop (never from the worker thread). This module knows nothing of
-HTTP, JSON or tokenization.
+Requests are resolved on the loop (never from the worker thread). Streaming requests carry a
+`progress` event, set after every step that gave them a token and when they finish. Stop strings
+are checked through the `text_stop` hook the server passes in (only for rows that have them), so
+this module knows nothing of HTTP, JSON or tokenization.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,6 +37,7 @@ class Request:
 
     seq: Seq
     future: asyncio.Future
+    progress: asyncio.Event | None = None  # streaming: set on new tokens and on finish
     created: float = field(default_factory=time.perf_counter)
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
@@ -41,8 +45,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, max_batch_size: int, weight_version: str = "0"):
+    def __init__(self, runner: ModelRunner, *, max_batch_size: int, weight_version: str = "0",
+                 text_stop: Callable[[Seq], str | None] | None = None):
         self.runner = runner
+        self.text_stop = text_stop  # seq → the stop string its output now ends with, or None
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         # One thread owns the model: steps and weight loads serialise on it.
@@ -85,9 +91,16 @@ class Scheduler:
     def has_rid(self, rid: str) -> bool:
         return rid in self.by_rid
 
+    def new_request(self, seq: Seq, progress: asyncio.Event | None = None) -> Request:
+        return Request(seq=seq, future=asyncio.get_running_loop().create_future(), progress=progress)
+
     async def submit(self, seq: Seq) -> Request:
         """Queue `seq` (waiting while paused) and return its finished Request."""
-        req = Request(seq=seq, future=asyncio.get_running_loop().create_future())
+        return await self.submit_request(self.new_request(seq))
+
+    async def submit_request(self, req: Request) -> Request:
+        """Queue a Request made by `new_request` and wait until it finished."""
+        seq = req.seq
         self.by_rid[seq.rid] = req
         try:
             if self.paused:
@@ -135,6 +148,8 @@ class Scheduler:
         metrics.GEN_REQUESTS.labels(finish_reason=reason["type"]).inc()
         if not req.future.done():
             req.future.set_result(req)
+        if req.progress is not None:
+            req.progress.set()
 
     # ---------------------------------------------------------------- pause / continue
     async def pause(self, mode: str = "abort") -> None:
@@ -206,14 +221,24 @@ class Scheduler:
             metrics.GEN_BUSY_SECONDS.inc(out.seconds)
             metrics.GEN_PROMPT_TOKENS.inc(out.prefill_tokens)
             metrics.GEN_TOKENS.inc(len(out.tokens))
-            for seq, tok, lp, fin in zip(out.seqs, out.tokens, out.logprobs, out.finish):
+            top = out.top or itertools.repeat(None)
+            for seq, tok, lp, fin, tp in zip(out.seqs, out.tokens, out.logprobs, out.finish, top):
                 req = self.running.get(seq)
                 if req is None:  # aborted while the step ran: its token is discarded
                     continue
                 seq.output_ids.append(tok)
                 seq.output_logprobs.append(lp)
+                if tp is not None:
+                    seq.output_top.append(tp)
+                if req.progress is not None:
+                    req.progress.set()
+                matched = None
+                if fin != FINISH_STOP and seq.stop_strs and len(seq.output_ids) >= seq.min_new_tokens:
+                    matched = self.text_stop(seq)  # per-row Python only for rows with stop strings
                 if fin == FINISH_STOP:
                     reason = {"type": "stop", "matched": tok}
+                elif matched is not None:
+                    reason = {"type": "stop", "matched": matched}
                 elif fin == FINISH_LENGTH:
                     reason = {"type": "length", "length": len(seq.output_ids)}
                 else:

@@ -2,24 +2,29 @@
 
     python -m areal_like.engine.server --model-path DIR --host 127.0.0.1 --port P [--device cpu|cuda]
         [--dtype float32|bfloat16] [--max-batch-size 64] [--max-context-len 512] [--weight-version 0]
-        [--random-seed S] [--api-key K] [--admin-api-key K] [--torch-threads N]
+        [--random-seed S] [--api-key K] [--admin-api-key K] [--torch-threads N] [--max-prefill-tokens N]
+        [--served-model-name NAME]
 
-aiohttp on uvloop. This module parses and validates requests, tokenizes text, and shapes replies;
-the scheduler (continuous batching) and runner (model + KV) do the work on one engine thread.
-Weight receives (blocking collectives) run on other threads, so the HTTP loop never blocks.
-Not implemented (400 with a message, never silently ignored): streaming, stop strings, penalties,
-top_logprobs_num > 0, constrained decoding.
+aiohttp on uvloop. This module parses and validates requests, tokenizes text, and shapes replies
+(SGLang native protocol here, OpenAI-compatible /v1/* in `openai_api`); the scheduler (continuous
+batching) and runner (model + slot KV cache) do the work on one engine thread. Weight receives
+(blocking collectives) run on other threads, so the HTTP loop never blocks.
+Not implemented (400 with a message, never silently ignored): constrained decoding (json_schema,
+regex, ebnf, structural_tag), logit_bias, custom logit processors.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import random
 import signal
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import areal_like
 from areal_like import metrics
+from areal_like.engine.errors import BadRequest
+from areal_like.engine.openai_api import OPENAI_PATHS, OpenAIRoutes
 from areal_like.engine.runner import ModelRunner, Seq
 from areal_like.engine.sampling import derive_seed
 from areal_like.engine.scheduler import Request, Scheduler
@@ -37,35 +44,61 @@ from areal_like.weights.receive import WeightReceiver
 log = logging.getLogger("areal_like.engine.server")
 
 # sampling_params keys SGLang accepts. Unknown keys are a 400 (as SGLang ≥ 0.5.22).
-SUPPORTED_PARAMS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens", "stop_token_ids",
-                    "ignore_eos", "skip_special_tokens", "no_stop_trim", "n", "sampling_seed",
+SUPPORTED_PARAMS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens", "stop",
+                    "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim", "n", "sampling_seed",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty",
                     "spaces_between_special_tokens", "stream_interval"}
 # Accepted only at their no-op value: anything else is a 400 saying the embedded server lacks it.
-NOOP_PARAMS = {"stop": (None, "", []), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-               "repetition_penalty": (1, 1.0), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
-               "structural_tag": (None,), "logit_bias": (None, {}), "custom_params": (None,)}
+NOOP_PARAMS = {"json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
+               "logit_bias": (None, {}), "custom_params": (None,)}
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
                "/begin_weight_update", "/end_weight_update"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 
-class BadRequest(Exception):
-    """A 400 with {"error": {"message": ...}}."""
+def error(message: str, status: int = 400, openai: bool = False) -> web.Response:
+    body: dict[str, Any] = {"message": message}
+    if openai:  # OpenAI's error object is a superset of the native one
+        kind = {400: "BadRequestError", 401: "Unauthorized"}.get(status, "InternalServerError")
+        body.update(type=kind, param=None, code=status)
+    return web.json_response({"error": body}, status=status)
 
 
-def error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
+def sse_error(message: str, status: int) -> bytes:
+    return b"data: " + json.dumps({"error": {"message": message, "code": status}}).encode() + b"\n\n"
+
+
+@dataclass
+class Job:
+    """One sample of a request: its Seq, its validated sampling params, where it goes in the reply."""
+
+    seq: Seq
+    sp: dict[str, Any]
+    prompt_index: int
+    index: int
+
+
+@dataclass
+class GenOpts:
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    text_in_logprobs: bool = False
+    stream: bool = False
+    input_logprobs: dict[int, tuple[list, list]] = field(default_factory=dict)  # prompt index → (token, top)
 
 
 class GenerationServer:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype,
-                                  max_context_len=args.max_context_len)
+                                  max_context_len=args.max_context_len, max_batch_size=args.max_batch_size,
+                                  max_prefill_tokens=args.max_prefill_tokens)
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(self.runner, max_batch_size=args.max_batch_size,
-                                   weight_version=str(args.weight_version))
+                                   weight_version=str(args.weight_version), text_stop=self._text_stop)
+        self.model_name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
         self.receiver = WeightReceiver(args.device)
         self.rng = random.Random(args.random_seed)
         self.update_lock = asyncio.Lock()
@@ -96,6 +129,7 @@ class GenerationServer:
         r.add_post("/begin_weight_update", self.begin_end)
         r.add_post("/end_weight_update", self.begin_end)
         r.add_get("/metrics", self.metrics)
+        OpenAIRoutes(self).add_to(app)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -117,20 +151,21 @@ class GenerationServer:
             else:
                 keys = {k for k in (a.api_key, a.admin_api_key) if k} if a.api_key else set()
             if keys and request.headers.get("Authorization", "").removeprefix("Bearer ").strip() not in keys:
-                return error("Unauthorized", 401)
+                return error("Unauthorized", 401, openai=path in OPENAI_PATHS)
+        oa = path in OPENAI_PATHS
         try:
             return await handler(request)
         except BadRequest as e:
-            return error(str(e), 400)
+            return error(str(e), 400, oa)
         except web.HTTPException as e:
             if e.status >= 400:
-                return error(e.reason or str(e), e.status)
+                return error(e.reason or str(e), e.status, oa)
             raise
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("%s failed", path)
-            return error(f"{type(e).__name__}: {e}", 500)
+            return error(f"{type(e).__name__}: {e}", 500, oa)
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
@@ -194,19 +229,37 @@ class GenerationServer:
         mnt = sp.get("max_new_tokens", 128)
         if mnt is None:
             mnt = ctx - prompt_len
+        stop = sp.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise BadRequest("sampling_params.stop must be a string or a list of strings")
+
+        def num(key, default, cast=float):
+            v = sp.get(key)
+            return default if v is None else cast(v)
+
         try:
             out = {
                 "max_new_tokens": int(mnt),
-                "temperature": float(sp.get("temperature", 1.0)),
-                "top_p": float(sp.get("top_p", 1.0)),
-                "top_k": int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1),
-                "min_p": float(sp.get("min_p", 0.0)),
-                "min_new_tokens": int(sp.get("min_new_tokens", 0)),
+                "temperature": num("temperature", 1.0),
+                "top_p": num("top_p", 1.0),
+                "top_k": num("top_k", -1, int),
+                "min_p": num("min_p", 0.0),
+                "min_new_tokens": num("min_new_tokens", 0, int),
+                "stop": [x for x in stop if x],
                 "stop_token_ids": [int(t) for t in (sp.get("stop_token_ids") or [])],
                 "ignore_eos": bool(sp.get("ignore_eos", False)),
                 "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
-                "n": int(sp.get("n", 1)),
-                "sampling_seed": None if sp.get("sampling_seed") is None else int(sp["sampling_seed"]),
+                "no_stop_trim": bool(sp.get("no_stop_trim", False)),
+                "n": num("n", 1, int),
+                "sampling_seed": num("sampling_seed", None, int),
+                "frequency_penalty": num("frequency_penalty", 0.0),
+                "presence_penalty": num("presence_penalty", 0.0),
+                "repetition_penalty": num("repetition_penalty", 1.0),
+                "stream_interval": num("stream_interval", 1, int),
             }
         except (TypeError, ValueError) as e:
             raise BadRequest(f"bad sampling_params: {e}")
@@ -225,14 +278,46 @@ class GenerationServer:
             raise BadRequest("min_p must be in [0, 1]")
         if out["n"] < 1:
             raise BadRequest("n must be ≥ 1")
+        if not 0 <= out["min_new_tokens"]:
+            raise BadRequest("min_new_tokens must be ≥ 0")
+        for k in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= out[k] <= 2.0:
+                raise BadRequest(f"{k} must be in [-2, 2]")
+        if not 0.0 < out["repetition_penalty"] <= 2.0:
+            raise BadRequest("repetition_penalty must be in (0, 2]")
+        if out["stream_interval"] < 1:
+            raise BadRequest("stream_interval must be ≥ 1")
+        V = self.runner.vocab_size
+        if not all(0 <= t < V for t in out["stop_token_ids"]):
+            raise BadRequest(f"stop_token_ids must be token ids in [0, {V})")
         return out
 
-    async def generate(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the embedded server")
-        if int(body.get("top_logprobs_num") or 0) > 0:
-            raise BadRequest("top_logprobs_num > 0 is not supported by the embedded server")
+    def make_jobs(self, prompts: list[list[int]], params: list[dict], rids_per_prompt: list[str],
+                  top_logprobs_num: int = 0) -> list[Job]:
+        """One Job per sample (n per prompt); rids `rid` or `rid_j` for n>1 (SGLang's naming). Raises
+        BadRequest on a duplicate rid (in flight or within the request)."""
+        jobs: list[Job] = []
+        for pi, (prompt, sp, prid) in enumerate(zip(prompts, params, rids_per_prompt)):
+            eos = set() if sp["ignore_eos"] else set(self.runner.eos_token_ids)
+            stop = tuple(sorted(set(sp["stop_token_ids"]) | eos))
+            for j in range(sp["n"]):
+                # n samples must draw different streams: a seeded request derives one seed per sample
+                seed = derive_seed(sp["sampling_seed"], j) if sp["sampling_seed"] is not None \
+                    else self.rng.getrandbits(63)
+                seq = Seq(rid=prid if sp["n"] == 1 else f"{prid}_{j}", prompt_ids=list(prompt),
+                          max_new_tokens=sp["max_new_tokens"], temperature=sp["temperature"], top_p=sp["top_p"],
+                          top_k=sp["top_k"], min_p=sp["min_p"], min_new_tokens=sp["min_new_tokens"],
+                          stop_ids=stop, seed=seed, frequency_penalty=sp["frequency_penalty"],
+                          presence_penalty=sp["presence_penalty"], repetition_penalty=sp["repetition_penalty"],
+                          top_logprobs_num=top_logprobs_num, stop_strs=tuple(sp["stop"]))
+                jobs.append(Job(seq=seq, sp=sp, prompt_index=pi, index=len(jobs)))
+        rids = [j.seq.rid for j in jobs]
+        dup = [r for r in rids if self.scheduler.has_rid(r)] or ([r for r in rids if rids.count(r) > 1][:1])
+        if dup:
+            raise BadRequest(f"Duplicate request ID: {dup[0]}")
+        return jobs
+
+    def _parse_generate(self, body: dict[str, Any]) -> tuple[list[Job], bool, GenOpts, list[list[int]]]:
         prompts, batch = self._prompts(body)
         sps = body.get("sampling_params")
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
@@ -240,7 +325,6 @@ class GenerationServer:
             raise BadRequest("'sampling_params' list must match the number of prompts")
         params = [self._sampling(sp, len(p)) for sp, p in zip(sps, prompts)]
         rid = body.get("rid")
-        rids_per_prompt: list[str]
         if isinstance(rid, list):
             if len(rid) != len(prompts):
                 raise BadRequest("'rid' list must match the number of prompts")
@@ -249,75 +333,188 @@ class GenerationServer:
             rids_per_prompt = [uuid.uuid4().hex for _ in prompts]
         else:
             rids_per_prompt = [str(rid)] if not batch else [f"{rid}_{i}" for i in range(len(prompts))]
-        return_logprob = bool(body.get("return_logprob", False))
-        lp_start = int(body.get("logprob_start_len", -1) if body.get("logprob_start_len") is not None else -1)
-        text_in_lp = bool(body.get("return_text_in_logprobs", False))
+        try:
+            lp_start = body.get("logprob_start_len")
+            top_n = body.get("top_logprobs_num")
+            opts = GenOpts(return_logprob=bool(body.get("return_logprob", False)),
+                           logprob_start_len=-1 if lp_start is None else int(lp_start),
+                           top_logprobs_num=0 if top_n is None else int(top_n),
+                           text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                           stream=bool(body.get("stream", False)))
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"bad logprob options: {e}")
+        if opts.top_logprobs_num < 0:
+            raise BadRequest("top_logprobs_num must be ≥ 0")
+        opts.top_logprobs_num = min(opts.top_logprobs_num, self.runner.vocab_size)
+        if not opts.return_logprob:
+            opts.top_logprobs_num = 0
+        jobs = self.make_jobs(prompts, params, rids_per_prompt, opts.top_logprobs_num)
+        return jobs, batch or len(jobs) > 1, opts, prompts
 
-        seqs: list[tuple[Seq, dict, int]] = []  # (seq, params, prompt index)
-        for pi, (prompt, sp, prid) in enumerate(zip(prompts, params, rids_per_prompt)):
-            stop = tuple(sorted(set(sp["stop_token_ids"]) | (set() if sp["ignore_eos"] else set(self.runner.eos_token_ids))))
-            for j in range(sp["n"]):
-                seed = derive_seed(sp["sampling_seed"], j) if sp["sampling_seed"] is not None \
-                    else self.rng.getrandbits(63)
-                seq = Seq(rid=prid if sp["n"] == 1 else f"{prid}_{j}", prompt_ids=list(prompt),
-                          max_new_tokens=sp["max_new_tokens"], temperature=sp["temperature"], top_p=sp["top_p"],
-                          top_k=sp["top_k"], min_p=sp["min_p"], min_new_tokens=sp["min_new_tokens"],
-                          stop_ids=stop, seed=seed)
-                seqs.append((seq, sp, pi))
-        rids = [s.rid for s, _, _ in seqs]
-        dup = [r for r in rids if self.scheduler.has_rid(r)] or ([r for r in rids if rids.count(r) > 1][:1])
-        if dup:
-            raise BadRequest(f"Duplicate request ID: {dup[0]}")
-
-        input_lps: dict[int, list] = {}
-        if return_logprob and lp_start >= 0:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        jobs, as_list, opts, prompts = self._parse_generate(body)
+        if opts.return_logprob and opts.logprob_start_len >= 0:
             for pi, prompt in enumerate(prompts):
-                lps = await self.scheduler.run_on_engine(self._prompt_logprobs, prompt)
-                input_lps[pi] = [[lp, tid, self._tok_text(tid) if text_in_lp else None]
-                                 for lp, tid in zip(lps, prompt)][lp_start:]
-
+                opts.input_logprobs[pi] = await self.input_logprobs(prompt, opts.logprob_start_len,
+                                                                    opts.top_logprobs_num, opts.text_in_logprobs)
         t0 = time.perf_counter()
-        reqs = await asyncio.gather(*(self._run_one(seq) for seq, _, _ in seqs))
-        replies = []
-        for req, (seq, sp, pi) in zip(reqs, seqs):
-            out_ids = seq.output_ids
-            meta: dict[str, Any] = {
-                "id": seq.rid,
-                "finish_reason": req.finish_reason,
-                "prompt_tokens": len(seq.prompt_ids),
-                "completion_tokens": len(out_ids),
-                "cached_tokens": 0,
-                "weight_version": req.weight_version,
-                "e2e_latency": time.perf_counter() - t0,
-            }
-            if return_logprob:
-                meta["output_token_logprobs"] = [[lp, tid, self._tok_text(tid) if text_in_lp else None]
-                                                 for lp, tid in zip(seq.output_logprobs, out_ids)]
-                if pi in input_lps:
-                    meta["input_token_logprobs"] = input_lps[pi]
-            replies.append({"text": self.tokenizer.decode(out_ids, skip_special_tokens=sp["skip_special_tokens"]),
-                            "output_ids": list(out_ids), "meta_info": meta})
-        if not batch and len(replies) == 1:
-            return web.json_response(replies[0])
-        return web.json_response(replies)
+        if opts.stream:
+            return await self._stream_generate(request, jobs, as_list, opts, t0)
+        reqs = await asyncio.gather(*(self.run_request(self.scheduler.new_request(j.seq)) for j in jobs))
+        replies = [self._native_reply(j, r, opts, t0) for j, r in zip(jobs, reqs)]
+        return web.json_response(replies if as_list else replies[0])
 
-    async def _run_one(self, seq: Seq):
+    async def _stream_generate(self, request: web.Request, jobs: list[Job], as_list: bool, opts: GenOpts,
+                               t0: float) -> web.StreamResponse:
+        """SSE: cumulative text/output_ids/logprobs per event, finish_reason null until the last one
+        of each sample, `index` per sample when there are several, then `data: [DONE]`."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def emit(job: Job, req: Request, final: bool) -> None:
+            obj = self._native_reply(job, req, opts, t0, final=final)
+            if as_list:
+                obj["index"] = job.index
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        try:
+            async with contextlib.aclosing(self.stream_progress(jobs)) as progress:
+                async for job, req, final in progress:
+                    fr = req.finish_reason or {}
+                    if final and fr.get("type") == "abort" and fr.get("status_code") not in (None, 200):
+                        await resp.write(sse_error(fr.get("message", "engine error"), fr["status_code"]))
+                        continue
+                    await emit(job, req, final)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away: stream_progress's cleanup aborted its requests
+        except Exception as e:  # mid-stream error: an error event, then DONE
+            log.exception("stream failed")
+            await resp.write(sse_error(f"{type(e).__name__}: {e}", 500))
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def stream_progress(self, jobs: list[Job]):
+        """Run `jobs`, yielding (job, request, final) whenever a sample has `stream_interval` new
+        tokens and once when it finished. Aborts what is still running if the consumer stops."""
+        ev = asyncio.Event()
+        reqs = [self.scheduler.new_request(j.seq, ev) for j in jobs]
+        tasks = [asyncio.ensure_future(self.run_request(r)) for r in reqs]
+        sent = [0] * len(jobs)
+        finished = [False] * len(jobs)
+        try:
+            while not all(finished):
+                await ev.wait()
+                ev.clear()
+                for i, (job, req) in enumerate(zip(jobs, reqs)):
+                    if finished[i]:
+                        continue
+                    n = len(job.seq.output_ids)
+                    if req.done:
+                        finished[i] = True
+                        yield job, req, True
+                    elif n - sent[i] >= job.sp["stream_interval"]:
+                        sent[i] = n
+                        yield job, req, False
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()  # submit_request aborts the request on cancellation
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run_request(self, req: Request) -> Request:
+        seq = req.seq
         if seq.max_new_tokens == 0:  # nothing to generate: answer without touching the engine
-            fut = asyncio.get_running_loop().create_future()
-            return Request(seq=seq, future=fut, finish_reason={"type": "length", "length": 0},
-                           weight_version=self.scheduler.weight_version, done=True)
-        return await self.scheduler.submit(seq)
+            req.finish_reason = {"type": "length", "length": 0}
+            req.weight_version = self.scheduler.weight_version
+            req.done = True
+            if req.progress is not None:
+                req.progress.set()
+            return req
+        return await self.scheduler.submit_request(req)
+
+    async def _run_one(self, seq: Seq) -> Request:
+        return await self.run_request(self.scheduler.new_request(seq))
+
+    def _native_reply(self, job: Job, req: Request, opts: GenOpts, t0: float, final: bool = True) -> dict[str, Any]:
+        seq = job.seq
+        out_ids = list(seq.output_ids)
+        fr = req.finish_reason if final else None
+        meta: dict[str, Any] = {
+            "id": seq.rid,
+            "finish_reason": fr,
+            "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(out_ids),
+            "cached_tokens": seq.cached_tokens,
+            "weight_version": req.weight_version if final else self.scheduler.weight_version,
+            "e2e_latency": time.perf_counter() - t0,
+        }
+        if opts.return_logprob:
+            n = len(out_ids)
+            meta["output_token_logprobs"] = [[lp, tid, self._tok_text(tid) if opts.text_in_logprobs else None]
+                                             for lp, tid in zip(seq.output_logprobs[:n], out_ids)]
+            if opts.top_logprobs_num:
+                meta["output_top_logprobs"] = [self._top_list(v, i, opts.text_in_logprobs)
+                                               for v, i in seq.output_top[:n]]
+            if job.prompt_index in opts.input_logprobs:
+                lps, tops = opts.input_logprobs[job.prompt_index]
+                meta["input_token_logprobs"] = lps
+                if opts.top_logprobs_num:
+                    meta["input_top_logprobs"] = tops
+        return {"text": self.output_text(seq, job.sp, fr), "output_ids": out_ids, "meta_info": meta}
+
+    def output_text(self, seq: Seq, sp: dict[str, Any], finish_reason: dict[str, Any] | None) -> str:
+        """Detokenized output; a matched stop (token or string) is trimmed unless no_stop_trim."""
+        ids = seq.output_ids
+        skip = sp["skip_special_tokens"]
+        matched = finish_reason.get("matched") if finish_reason and finish_reason.get("type") == "stop" else None
+        if matched is None or sp["no_stop_trim"]:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+        if isinstance(matched, int):
+            return self.tokenizer.decode(ids[:-1] if ids and ids[-1] == matched else ids, skip_special_tokens=skip)
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        # the match ends inside the last token's text (earlier steps found none), so search from there
+        last = self.tokenizer.decode(ids[-1:], skip_special_tokens=skip)
+        cut = text.find(matched, max(0, len(text) - len(last) - len(matched) + 1))
+        return text[:cut] if cut >= 0 else text[:text.rfind(matched)] if matched in text else text
+
+    def _text_stop(self, seq: Seq) -> str | None:
+        """Scheduler hook: the stop string the output now contains, decoding only the tail."""
+        longest = max(len(s) for s in seq.stop_strs)
+        tail = self.tokenizer.decode(seq.output_ids[-(longest + 4):], skip_special_tokens=True)
+        for s in seq.stop_strs:
+            if s in tail:
+                return s
+        return None
 
     def _tok_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
+    def _top_list(self, vals: list[float], ids: list[int], with_text: bool) -> list[list]:
+        return [[v, i, self._tok_text(i) if with_text else None] for v, i in zip(vals, ids)]
+
+    async def input_logprobs(self, prompt: list[int], start: int, top_n: int, with_text: bool):
+        """(input_token_logprobs, input_top_logprobs) from `start`: the first prompt token has none."""
+        lps, tops = await self.scheduler.run_on_engine(self._prompt_logprobs, prompt, top_n)
+        token = [[lp, tid, self._tok_text(tid) if with_text else None] for lp, tid in zip(lps, prompt)][start:]
+        top = [None if t is None else self._top_list(t[0], t[1], with_text) for t in tops][start:]
+        return token, top
+
     @torch.inference_mode()
-    def _prompt_logprobs(self, prompt: list[int]) -> list[float | None]:
-        """Prompt-token logprobs (not temperature-scaled); the first token has none."""
+    def _prompt_logprobs(self, prompt: list[int], top_n: int = 0):
+        """Prompt-token logprobs (NOT temperature-scaled); the first token has none."""
         ids = torch.tensor([prompt], dtype=torch.long, device=self.runner.device)
         logits = self.runner.model(input_ids=ids).logits
         lp = token_logprobs_from_logits(logits[:, :-1], ids[:, 1:], 1.0)[0].tolist()
-        return [None] + lp
+        tops: list = [None]
+        if top_n:
+            v, i = torch.log_softmax(logits[0, :-1].float(), dim=-1).topk(top_n, dim=-1)
+            tops += list(zip(v.tolist(), i.tolist()))
+        else:
+            tops += [None] * (len(prompt) - 1)
+        return [None] + lp, tops
 
     # ---------------------------------------------------------------- status
     async def health(self, request: web.Request) -> web.Response:
@@ -482,8 +679,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=64, help="max running requests per decode step")
     p.add_argument("--max-context-len", type=int, default=512, help="prompt + generated tokens per request")
+    p.add_argument("--max-prefill-tokens", type=int, default=4096,
+                   help="padded tokens per prefill forward (admitted prompts are prefilled together)")
     p.add_argument("--weight-version", default="0")
     p.add_argument("--random-seed", type=int, default=None, help="seeds requests without sampling_seed")
+    p.add_argument("--served-model-name", default=None, help="model id on /v1/* (default: the model dir's name)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")

@@ -133,7 +133,9 @@ async def test_error_cases(server):
         {"input_ids": [1] * 600},
         {"input_ids": [1], "text": "x"},
         {"input_ids": [1], "sampling_params": {"top_p": 0}},
-        {"input_ids": [1], "sampling_params": {"stop": ["x"]}},
+        {"input_ids": [1], "sampling_params": {"regex": "a+"}},
+        {"input_ids": [1], "sampling_params": {"frequency_penalty": 3.0}},
+        {"input_ids": [1], "top_logprobs_num": -1, "return_logprob": True},
         {"input_ids": [100000]},
     ]
     for body in cases:
