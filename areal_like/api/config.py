@@ -105,6 +105,7 @@ class TrainConfig(_Section):
     lr: float = 1e-3
     weight_decay: float = 0.0
     adam_betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28

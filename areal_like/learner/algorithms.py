@@ -38,6 +38,10 @@ __all__ = [
     "reinforce_pp_advantages",
     "gae_advantages",
     "kl_estimate",
+    "kl_loss",
+    "kl_penalized_rewards",
+    "ppo_value_loss",
+    "entropy_bonus_loss",
     "decoupled_ppo_loss",
     "loglinear_alpha",
     "loglinear_proximal",
@@ -176,6 +180,59 @@ def kl_estimate(logp: Tensor, logp_ref: Tensor, kind: Literal["k1", "k2", "k3"] 
     if kind == "k3":
         return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"unknown KL estimator {kind!r}: use 'k1', 'k2' or 'k3'")
+
+
+def kl_loss(logp: Tensor, logp_ref: Tensor, loss_mask: Tensor, *, kind: Literal["k1", "k2", "k3"] = "k3",
+            loss_tokens_global: int | float | None = None) -> Tensor:
+    """KL to a frozen reference *as a loss* (GRPO's β·KL term, add β·this): Σ k·m / N_loss_tokens.
+
+    Gradient flows through `logp` only; `logp_ref` (the frozen reference policy) is detached.
+    """
+    m = loss_mask.float()
+    k = kl_estimate(logp, logp_ref.detach(), kind)
+    k = torch.where(m > 0, k, torch.zeros_like(k))  # masked positions may hold any logprob
+    n = m.sum().clamp(min=1.0) if loss_tokens_global is None else max(float(loss_tokens_global), 1.0)
+    return (k * m).sum() / n
+
+
+def kl_penalized_rewards(token_rewards: Tensor, logp: Tensor, logp_ref: Tensor, loss_mask: Tensor, *,
+                         beta: float, kind: Literal["k1", "k2", "k3"] = "k1") -> Tensor:
+    """KL *in the reward* (InstructGPT / verl `use_kl_in_reward`): r_t − β·k_t on loss tokens, no gradient.
+
+    `token_rewards` has the shape of the logprobs (the sequence reward usually sits on the last token).
+    """
+    m = loss_mask.float()
+    k = kl_estimate(logp.detach(), logp_ref.detach(), kind)
+    return token_rewards.float() - beta * torch.where(m > 0, k, torch.zeros_like(k)) * m
+
+
+def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, *,
+                   value_clip: float | None = 0.2, loss_tokens_global: int | float | None = None) -> Tensor:
+    """PPO critic loss: ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²), token mean over loss tokens.
+
+    `value_clip` None = the unclipped ½(V − R)². Gradient flows through `values` only.
+    """
+    m = loss_mask.float()
+    v = values.float()
+    R = returns.detach().float()
+    vf_loss = (v - R).square()
+    if value_clip is not None:
+        v_old = old_values.detach().float()
+        v_clipped = v_old + torch.clamp(v - v_old, -value_clip, value_clip)
+        vf_loss = torch.maximum(vf_loss, (v_clipped - R).square())
+    n = m.sum().clamp(min=1.0) if loss_tokens_global is None else max(float(loss_tokens_global), 1.0)
+    return 0.5 * torch.where(m > 0, vf_loss, torch.zeros_like(vf_loss)).sum() / n
+
+
+def entropy_bonus_loss(entropy: Tensor, loss_mask: Tensor, *, coef: float,
+                       loss_tokens_global: int | float | None = None) -> Tensor:
+    """Entropy bonus as a loss term to add: −coef · Σ H·m / N_loss_tokens (maximising entropy).
+
+    Pass `entropy_from_logits(logits)` *with* gradient for the bonus to act on the policy.
+    """
+    m = loss_mask.float()
+    n = m.sum().clamp(min=1.0) if loss_tokens_global is None else max(float(loss_tokens_global), 1.0)
+    return -coef * (entropy.float() * m).sum() / n
 
 
 # ---- the decoupled PPO loss ---------------------------------------------------------------------

@@ -125,6 +125,49 @@ def pack_trajectories(
     return out
 
 
+def lr_at(cfg: TrainConfig, optimizer_step: int, warmup_steps: int | None = None) -> float:
+    """LR of applied optimizer step `optimizer_step` (0-based): linear warm-up over `warmup_steps`
+    (default `cfg.warmup_steps`), then `cfg.lr_schedule` — constant, or linear/cosine decay to
+    lr·min_lr_ratio at `cfg.total_steps`. A pure function of the step count, so the checkpointed
+    `optimizer_steps` counter *is* the scheduler state."""
+    import math
+
+    warm = cfg.warmup_steps if warmup_steps is None else warmup_steps
+    base = float(cfg.lr)
+    if warm > 0 and optimizer_step < warm:
+        return base * (optimizer_step + 1) / warm
+    if cfg.lr_schedule == "constant":
+        return base
+    span = max(cfg.total_steps - warm, 1)
+    progress = min(max(optimizer_step - warm, 0) / span, 1.0)
+    floor = base * cfg.min_lr_ratio
+    if cfg.lr_schedule == "linear":
+        return floor + (base - floor) * (1.0 - progress)
+    if cfg.lr_schedule == "cosine":
+        return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown train.lr_schedule {cfg.lr_schedule!r}: use constant, linear or cosine")
+
+
+def batch_plan(groups: list[TrajectoryGroup], cfg: TrainConfig) -> tuple[list[Trajectory], np.ndarray, np.ndarray, int]:
+    """Host side of a step, identical on every rank: (samples, rewards_N, advantages_N, loss tokens).
+
+    Advantages need whole groups and the loss denominator is the *global* loss-token count, so every
+    rank computes both over all groups before taking its data-parallel share.
+    """
+    if not groups:
+        raise ValueError("train_step needs at least one group")
+    samples = [t for g in groups for t in g.trajectories]
+    group_index_N = np.repeat(np.arange(len(groups)), [len(g.trajectories) for g in groups])
+    rewards_N = np.asarray([t.reward for t in samples], dtype=np.float64)
+    # GRPO advantage per sequence (Dr.GRPO: no std division); tiny, so computed on the CPU.
+    advantages_N = grpo_advantages(
+        torch.from_numpy(rewards_N), torch.from_numpy(group_index_N), norm_std=cfg.adv_norm == "grpo"
+    ).numpy()
+    # Loss tokens of the global batch: the same [1:] slice the loss sees, counted on the host.
+    loss_tokens = int(sum(int(t.mask_np()[1:].sum()) for t in samples))
+    return samples, rewards_N, advantages_N, loss_tokens
+
+
 class Learner:
     """Single-process decoupled-PPO learner on a plain HF causal LM (CPU or one CUDA device).
 
@@ -175,6 +218,7 @@ class Learner:
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self._lr_at(0),
             betas=betas,  # type: ignore[arg-type]
+            eps=train_cfg.adam_eps,
             weight_decay=train_cfg.weight_decay,
         )
         self.step = 0  # train_step calls completed (skipped ones included: their groups are consumed)
@@ -182,32 +226,20 @@ class Learner:
         self.skipped_steps = 0
         self.version = -1  # policy version of the weights last trained
 
+    is_rank0 = True  # the single-process learner is its own pool's rank 0 (CheckpointManager)
+
     # ---- schedule -------------------------------------------------------------------------------
     def _lr_at(self, optimizer_step: int) -> float:
-        """Linear warm-up over `warmup_steps` applied steps, then constant."""
-        if self.warmup_steps <= 0:
-            return float(self.cfg.lr)
-        return float(self.cfg.lr) * min(1.0, (optimizer_step + 1) / self.warmup_steps)
+        """See `lr_at`; the `warmup_steps` argument (if > 0) overrides `train.warmup_steps`."""
+        return lr_at(self.cfg, optimizer_step, self.warmup_steps if self.warmup_steps > 0 else None)
 
     # ---- phases ---------------------------------------------------------------------------------
     def prepare_batch(self, groups: list[TrajectoryGroup], version: int) -> PackedBatch:
         """fetch → advantages → pack → count loss tokens (host side; no model call)."""
-        if not groups:
-            raise ValueError("train_step needs at least one group")
-        samples = [t for g in groups for t in g.trajectories]
-        group_index_N = np.repeat(np.arange(len(groups)), [len(g.trajectories) for g in groups])
-        rewards_N = np.asarray([t.reward for t in samples], dtype=np.float64)
-
-        # GRPO advantage per sequence (Dr.GRPO: no std division); tiny, so computed on the CPU.
-        advantages_N = grpo_advantages(
-            torch.from_numpy(rewards_N), torch.from_numpy(group_index_N), norm_std=self.cfg.adv_norm == "grpo"
-        ).numpy()
-
+        samples, rewards_N, advantages_N, loss_tokens = batch_plan(groups, self.cfg)
         micro_batches = pack_trajectories(
             samples, advantages_N, micro_batch_tokens=self.cfg.micro_batch_tokens, pad_id=self.pad_id, device=self.device
         )
-        # Loss tokens of the global batch: the same [1:] slice the loss sees, counted on the host.
-        loss_tokens = int(sum(int(t.mask_np()[1:].sum()) for t in samples))
         min_versions = [g.min_version for g in groups if g.min_version >= 0]
         return PackedBatch(
             micro_batches=micro_batches,

@@ -1,0 +1,222 @@
+"""Apply a `ParallelLayout` to a plain HF causal LM — one function per strategy.
+
+The model file (transformers' Qwen2/Llama) knows nothing of parallelism; everything is applied
+here, afterwards, in this fixed order (as torchtitan):
+
+    1. pipeline split   `split_pipeline_stage`  — keep only this stage's layers (HF names kept)
+    2. tensor parallel  `apply_tensor_parallel` — DTensor plans on the attention/MLP projections
+    3. (activation checkpointing, compile: not applied — tiny CPU models do not need them)
+    4. data parallel    `DataParallelReducer`   — gradient all-reduce over the dp group, last,
+                         because it must see the final (TP-sharded, stage-local) parameters
+
+The pipeline split comes first only because it removes modules; TP then parallelises what is
+left, exactly as it would the full model.
+
+Data parallel is an explicit bucketed all-reduce (SUM) of gradients after the last micro-batch,
+not `DistributedDataParallel`: the decoupled-PPO loss is already divided by the *global*
+loss-token count, so the data-parallel gradient is the SUM over ranks (DDP would average), and
+DDP's wrapper would rename parameters away from their HF names and compose poorly with DTensor
+parameters inside pipeline stages. FSDP2 (`fully_shard`) is the path for models that do not fit
+replicated; it is not wired here (see the report's limits).
+
+What this module does not do: no data, no loss, no optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_like.learner.parallel.layout import ParallelLayout
+
+
+# ---- 1. pipeline parallel -----------------------------------------------------------------------
+def stage_layer_ids(num_layers: int, pp: int, stage: int) -> list[int]:
+    """Contiguous, balanced layer ranges: 5 layers on 2 stages → [0, 1, 2], [3, 4]."""
+    if num_layers < pp:
+        raise ValueError(f"{num_layers} decoder layers cannot fill {pp} pipeline stages: use p≤{num_layers}")
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return list(range(start, start + base + (1 if stage < extra else 0)))
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage of an HF `*ForCausalLM`: (input ids | hidden) → (hidden | logits).
+
+    Wraps the original HF model object with the modules of other stages removed (set to None), so
+    `named_parameters()` (with the `hf.` prefix stripped) are still the HF checkpoint names.
+    Runs the decoder layers exactly as `Qwen2Model.forward`/`LlamaModel.forward` do: positions
+    0..T−1, the same causal-mask helper, the same rotary embedding.
+    """
+
+    def __init__(self, hf_model: nn.Module, layer_ids: list[int], *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.layer_ids = layer_ids
+        self.first = first
+        self.last = last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        inner = self.hf.model
+        h_BTH = inner.embed_tokens(x) if self.first else x
+        T = h_BTH.shape[1]
+        position_ids = torch.arange(T, device=h_BTH.device).unsqueeze(0)
+        mask = create_causal_mask(config=inner.config, inputs_embeds=h_BTH, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        position_embeddings = inner.rotary_emb(h_BTH, position_ids)
+        for i in self.layer_ids:
+            h_BTH = inner.layers[i](h_BTH, attention_mask=mask, position_embeddings=position_embeddings,
+                                    position_ids=position_ids)
+        if self.last:
+            return self.hf.lm_head(inner.norm(h_BTH))  # (B, T, V) logits
+        return h_BTH
+
+
+def split_pipeline_stage(hf_model: nn.Module, layout: ParallelLayout) -> PipelineStageModule:
+    """Keep this rank's stage of `hf_model` (in place) and wrap it; pp=1 gives the whole model."""
+    if not hasattr(hf_model, "model") or not hasattr(hf_model.model, "layers"):
+        raise ValueError(f"pipeline split supports HF *ForCausalLM with .model.layers, got {type(hf_model).__name__}")
+    cfg = hf_model.config
+    if layout.pp > 1 and getattr(cfg, "tie_word_embeddings", False):
+        raise ValueError("pipeline parallel with tied input/output embeddings is not supported: "
+                         "use p1 or a model with tie_word_embeddings=false")
+    ids = stage_layer_ids(cfg.num_hidden_layers, layout.pp, layout.pp_rank)
+    inner = hf_model.model
+    for i in range(len(inner.layers)):
+        if i not in ids:
+            inner.layers[i] = None  # ModuleList slot kept empty so the HF indices (names) stay
+    if not layout.is_first_stage:
+        inner.embed_tokens = None
+    if not layout.is_last_stage:
+        inner.norm = None
+        hf_model.lm_head = None
+    return PipelineStageModule(hf_model, ids, first=layout.is_first_stage, last=layout.is_last_stage)
+
+
+def build_pipeline_schedule(stage_module: PipelineStageModule, layout: ParallelLayout, *, n_microbatches: int,
+                            loss_fn, schedule: str, device: torch.device, microbatch_shape: tuple[int, int]):
+    """A fresh `PipelineStage` + schedule for one step's micro-batch shapes.
+
+    Built per step because a `PipelineStage` infers its send/recv buffer shapes once, and a step's
+    padded (B, T) changes with its data. `scale_grads=False`: the loss is already divided by the
+    global loss-token count, so the micro-batch gradients must be summed, not averaged.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    # Static shapes given up front (meta tensors): the stage then skips its runtime shape inference,
+    # which runs an extra forward on uninitialised buffers (and would call the loss on garbage).
+    B, T = microbatch_shape
+    cfg = stage_module.hf.config
+    dtype = next(stage_module.parameters()).dtype
+    meta = torch.device("meta")
+    x = (torch.empty(B, T, dtype=torch.int64, device=meta) if stage_module.first
+         else torch.empty(B, T, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True))  # ∂L/∂h goes back
+    y = torch.empty(B, T, cfg.vocab_size if stage_module.last else cfg.hidden_size, dtype=dtype, device=meta,
+                    requires_grad=True)
+    stage = PipelineStage(stage_module, layout.pp_rank, layout.pp, device, input_args=x, output_args=y,
+                          # gradients have their activations' shapes; stage 0's int64 ids have none
+                          input_grads=None if stage_module.first else x,
+                          output_grads=None if stage_module.last else y, group=layout.pp_group)
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}.get(schedule)
+    if cls is None:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}: set train.pp_schedule=1f1b or gpipe")
+    return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# ---- 2. tensor parallel -------------------------------------------------------------------------
+# Megatron's split of a Qwen2/Llama decoder layer: column-parallel in, row-parallel out, so each
+# attention block and each MLP needs one all-reduce forward and one backward. Embedding, norms and
+# lm_head stay replicated (plain tensors): tiny vocabularies do not need vocab parallelism, and
+# replicated logits let the loss run unchanged on every TP rank.
+_TP_PLAN_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_TP_PLAN_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def check_tensor_parallel(config, tp: int) -> None:
+    """Head counts must split evenly: each TP rank holds heads/tp query and kv_heads/tp KV heads
+    (GQA keeps its group ratio per rank)."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or kv % tp:
+        raise ValueError(f"tensor parallel t{tp} needs num_attention_heads ({heads}) and num_key_value_heads "
+                         f"({kv}) divisible by {tp}: use a t that divides {kv}")
+    if config.intermediate_size % tp:
+        raise ValueError(f"tensor parallel t{tp} needs intermediate_size ({config.intermediate_size}) divisible by {tp}")
+
+
+def apply_tensor_parallel(stage_module: PipelineStageModule, layout: ParallelLayout) -> None:
+    """Shard this stage's decoder layers over the tp sub-mesh (in place); no-op for t1."""
+    if layout.tp == 1:
+        return
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    check_tensor_parallel(stage_module.hf.config, layout.tp)
+    plan = {name: ColwiseParallel() for name in _TP_PLAN_COLWISE}
+    plan.update({name: RowwiseParallel() for name in _TP_PLAN_ROWWISE})
+    tp_mesh = layout.submesh("tp")
+    for i in stage_module.layer_ids:
+        parallelize_module(stage_module.hf.model.layers[i], tp_mesh, plan)
+
+
+# ---- 4. data parallel ---------------------------------------------------------------------------
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class DataParallelReducer:
+    """SUM-all-reduce of all gradients over the dp group, in flattened buckets of `bucket_bytes`.
+
+    Called once per optimizer step, after the last micro-batch's backward (no overlap with the
+    backward pass — fine for the models this runs on; DDP-style hooks would add overlap). A
+    parameter without a gradient on this rank (it got no samples) joins with zeros, so every dp
+    rank issues the same collectives in the same order.
+    """
+
+    def __init__(self, params: list[nn.Parameter], layout: ParallelLayout, bucket_bytes: int = 25 * 2**20) -> None:
+        self.params = params
+        self.layout = layout
+        self.bucket_bytes = bucket_bytes
+
+    def all_reduce_grads(self) -> None:
+        if self.layout.dp == 1:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_tensor(p.grad) for p in self.params]
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in grads + [None]:
+            if g is not None and (not bucket or (size + g.numel() * g.element_size() <= self.bucket_bytes
+                                                 and g.dtype == bucket[0].dtype)):
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+                continue
+            if bucket:
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.layout.dp_group)
+                for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    dst.copy_(src)
+            if g is not None:
+                bucket, size = [g], g.numel() * g.element_size()
+            else:
+                bucket = []
+
+
+def parallelize_model(hf_model: nn.Module, layout: ParallelLayout) -> PipelineStageModule:
+    """The fixed order: pipeline split → tensor parallel → (ac, compile: none) → data parallel.
+
+    Returns this rank's stage module; the data-parallel reducer is built by the learner over the
+    stage's final parameters (step 4 of the module docstring).
+    """
+    stage = split_pipeline_stage(hf_model, layout)  # 1
+    apply_tensor_parallel(stage, layout)  # 2
+    return stage

@@ -1,0 +1,97 @@
+"""Learner tokens/s vs a plain single-process transformers training step, same model, same batch.
+
+    plain:    pad the batch once → model(input_ids, labels) cross-entropy → backward → clip → AdamW
+    learner:  ParallelLearner.train_step (single process): GRPO advantages, token-budget packing,
+              decoupled-PPO loss with behaviour weights, entropy and the other stats, global-norm
+              clip, finite check, LR schedule, AdamW
+
+Both run the same weights on the same tokens with one micro-batch; the ratio is the learner's
+tokens/s divided by the plain step's (1.0 = no overhead; lower = the learner's extra work costs).
+Median of `--steps` timed steps each (interleaved) after 2 warm-up steps each. Last line: `learner_overhead: <ratio>`.
+
+    python benchmarks/learner_overhead.py [--hidden 128 --layers 4 --groups 8 --n 8 --steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-len", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    from areal_like.api.config import TrainConfig
+    from areal_like.data.tiny_model import build_tiny_model
+    from areal_like.learner.parallel import ParallelLearner
+    from areal_like.learner.parallel.spawn import synthetic_groups
+    from areal_like.learner.trainer import pack_trajectories
+
+    tmp = tempfile.mkdtemp(prefix="learner_overhead-")
+    model_dir = build_tiny_model(f"{tmp}/m", hidden_size=a.hidden, intermediate_size=2 * a.hidden,
+                                 num_layers=a.layers, num_heads=4, num_kv_heads=2, seed=0)
+    groups = synthetic_groups(1, n_groups=a.groups, n=a.n, min_len=a.max_len // 2, max_len=a.max_len)
+    samples = [t for g in groups for t in g.trajectories]
+    tokens = sum(t.num_tokens for t in samples)
+    cfg = TrainConfig(lr=1e-5, micro_batch_tokens=1 << 30, grad_clip=1.0)
+
+    # ---- plain transformers step ---------------------------------------------------------------
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    (mb,) = pack_trajectories(samples, np.zeros(len(samples), np.float32), micro_batch_tokens=1 << 30,
+                              pad_id=model.config.pad_token_id, device=torch.device("cpu"))
+    labels = mb.input_ids_BT.clone()
+    labels[:, 1:][mb.loss_mask_BT1 == 0] = -100
+    labels[:, 0] = -100
+
+    def plain_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=mb.input_ids_BT, labels=labels, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss.item()  # host sync, as the learner's one per step
+
+    learner = ParallelLearner(model_dir, cfg, None, temperature=1.0)
+
+    def learner_step() -> None:
+        learner.train_step(groups, version=0)
+
+    # Interleaved (plain, learner, plain, …) so that load from other processes hits both alike.
+    for _ in range(2):
+        plain_step()
+        learner_step()
+    ts_plain, ts_learner = [], []
+    for _ in range(a.steps):
+        for fn, ts in ((plain_step, ts_plain), (learner_step, ts_learner)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    t_plain, t_learner = statistics.median(ts_plain), statistics.median(ts_learner)
+    plain_tps, learner_tps = tokens / t_plain, tokens / t_learner
+    print(f"model: hidden {a.hidden}, {a.layers} layers; batch: {len(samples)} sequences, {tokens} tokens; "
+          f"{a.threads} thread(s)")
+    print(f"plain transformers step: {t_plain * 1e3:.1f} ms/step, {plain_tps:,.0f} tokens/s")
+    print(f"learner train_step:      {t_learner * 1e3:.1f} ms/step, {learner_tps:,.0f} tokens/s")
+    print(f"learner_overhead: {learner_tps / plain_tps:.3f}")
+
+
+if __name__ == "__main__":
+    main()

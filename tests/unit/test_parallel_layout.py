@@ -1,0 +1,140 @@
+"""The learner pool's pure pieces (layout arithmetic, stage split, dp share, LR schedule,
+checkpoint policy) and one 4-rank gloo check that `ParallelLayout` builds the groups it claims and
+that `broadcast_groups` moves TrajectoryGroups as msgpack bytes."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from areal_like.api.config import TrainConfig
+from areal_like.learner.checkpoint import CheckpointManager
+from areal_like.learner.parallel import LayoutSpec, ParallelLayout, dp_share
+from areal_like.learner.parallel.parallelize import stage_layer_ids
+from areal_like.learner.parallel.spawn import synthetic_groups
+from areal_like.learner.trainer import lr_at
+
+
+def test_spec_rank_order_is_tp_fastest_then_dp_then_pp():
+    s = LayoutSpec(dp=2, pp=2, tp=2)
+    assert s.world_size == 8
+    assert [s.coords(r) for r in range(8)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
+                                               (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert all(s.rank_of(*s.coords(r)) == r for r in range(8))
+
+
+def test_spec_from_strings():
+    assert LayoutSpec.from_string("d2p2") == LayoutSpec(dp=2, pp=2, tp=1)
+    assert LayoutSpec.from_string("t2") == LayoutSpec(tp=2)
+    assert LayoutSpec.from_string("d2p1t1") == LayoutSpec(dp=2)
+    assert LayoutSpec.from_string("embedded.d1p1t1+d2p1t1") == LayoutSpec(dp=2)
+    assert str(LayoutSpec(dp=2, pp=2)) == "d2p2t1"
+
+
+def test_layout_checks_world_size_and_cp():
+    with pytest.raises(ValueError, match="needs dp·pp·tp = 2 ranks but the process group has 1"):
+        ParallelLayout(LayoutSpec(dp=2))
+    with pytest.raises(ValueError, match="context parallel"):
+        ParallelLayout(LayoutSpec(cp=2))
+    single = ParallelLayout(LayoutSpec())
+    assert (single.rank, single.pp_rank, single.dp_rank, single.tp_rank) == (0, 0, 0, 0)
+    assert single.is_first_stage and single.is_last_stage
+
+
+def test_stage_layer_ids_balanced_and_contiguous():
+    assert [stage_layer_ids(5, 2, s) for s in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [stage_layer_ids(4, 4, s) for s in range(4)] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="cannot fill"):
+        stage_layer_ids(1, 2, 0)
+
+
+def test_dp_share_partitions_and_balances_tokens():
+    samples = [t for g in synthetic_groups(3, n_groups=3, n=5) for t in g.trajectories]
+    shares = [dp_share(samples, 3, r) for r in range(3)]
+    assert sorted(i for s in shares for i in s) == list(range(len(samples)))
+    loads = [sum(samples[i].num_tokens for i in s) for s in shares]
+    assert max(loads) - min(loads) <= max(t.num_tokens for t in samples)
+
+
+def test_lr_schedule_warmup_then_decay():
+    c = TrainConfig(lr=1.0, warmup_steps=2, lr_schedule="linear", total_steps=6, min_lr_ratio=0.5)
+    assert [lr_at(c, s) for s in range(7)] == pytest.approx([0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5])
+    cos = TrainConfig(lr=1.0, lr_schedule="cosine", total_steps=4)
+    assert [lr_at(cos, s) for s in (0, 2, 4, 9)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    assert lr_at(TrainConfig(lr=0.1), 100) == 0.1
+
+
+def test_checkpoint_manager_resume_modes(tmp_path):
+    class Fake:
+        is_rank0 = True
+        saved: list[str] = []
+
+        def save_checkpoint(self, path, extra):
+            os.makedirs(path)
+            self.saved.append(path)
+
+        def load_checkpoint(self, path):
+            return {"path": path}
+
+    m = CheckpointManager(str(tmp_path / "c"), save_freq=2, keep=2)
+    ln = Fake()
+    assert m.resume(ln) is None  # auto with nothing saved: fresh start
+    for step in range(1, 8):
+        m.maybe_save(ln, step)
+    assert [os.path.basename(p) for p in ln.saved] == ["step_00000002", "step_00000004", "step_00000006"]
+    assert sorted(os.listdir(tmp_path / "c")) == ["latest", "step_00000004", "step_00000006"]  # keep=2
+    assert m.resume(ln)["path"].endswith("step_00000006")
+    assert CheckpointManager(str(tmp_path / "c"), save_freq=2, resume_mode="disable").resume(ln) is None
+    explicit = str(tmp_path / "c" / "step_00000004")
+    assert CheckpointManager(str(tmp_path / "c"), save_freq=0, resume_mode=explicit).resume(ln)["path"] == explicit
+    with pytest.raises(FileNotFoundError, match="resume_mode"):
+        CheckpointManager(str(tmp_path / "c"), save_freq=0, resume_mode=str(tmp_path / "nope")).resume(ln)
+
+
+def _groups_rank(rank: int, world: int, port: int, q) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch.distributed as dist
+
+    from areal_like.learner.parallel import broadcast_groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        lay = ParallelLayout(LayoutSpec(dp=2, tp=2), timeout_s=60)
+        out = {}
+        for name, group in (("dp", lay.dp_group), ("tp", lay.tp_group), ("pp", lay.pp_group)):
+            t = torch.tensor([rank])
+            gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, t, group=group)
+            out[name] = sorted(int(x) for x in gathered)
+        out["mesh"] = lay.mesh["tp"].size()
+        groups, version = broadcast_groups(synthetic_groups(9) if rank == 0 else None, 7 if rank == 0 else -1, lay)
+        out["groups"] = [t.traj_id for g in groups for t in g.trajectories]
+        out["ids_equal"] = all((a.ids_np() == b.ids_np()).all() for ga, gb in zip(groups, synthetic_groups(9))
+                               for a, b in zip(ga.trajectories, gb.trajectories))
+        out["version"] = version
+        q.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layout_groups_on_four_gloo_ranks():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.start_processes(_groups_rank, args=(4, port, q), nprocs=4, start_method="spawn")
+    res = dict(q.get() for _ in range(4))
+    # d2t2: tp groups are neighbours {0,1},{2,3}; dp groups stride tp: {0,2},{1,3}; pp groups singletons
+    assert res[0]["tp"] == [0, 1] and res[3]["tp"] == [2, 3]
+    assert res[0]["dp"] == [0, 2] and res[1]["dp"] == [1, 3]
+    assert res[2]["pp"] == [2] and res[0]["mesh"] == 2
+    want = [t.traj_id for g in synthetic_groups(9) for t in g.trajectories]
+    assert all(r["groups"] == want and r["ids_equal"] and r["version"] == 7 for r in res.values())
