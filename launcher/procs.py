@@ -71,6 +71,11 @@ class ProcessTable:
             json.dump({"launcher": os.getpid(), "roles": pids}, f)
         os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
 
+    def forget(self, role: Role) -> None:
+        """Drop an ended role from the table (a restarted learner rank gets a new entry)."""
+        self.roles.remove(role)
+        self._record()
+
     def add_service(self, name: str, pid: int) -> None:
         self.services[name] = pid
         self._record()

@@ -68,11 +68,8 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
     elif gen.tp * gen.pp != 1:
         raise RunError(f"the embedded engine runs one device per server; got t={gen.tp} p={gen.pp}: use embedded.d{gen.dp}p1t1")
     world = train.world_size
-    if world != 1:
-        raise RunError(
-            f"the learner pool is {train.dp}×{train.pp}×{train.tp} = {world} ranks; this build runs a single "
-            f"learner rank: use …+d1p1t1"
-        )
+    if train.cp > 1:
+        raise RunError(f"context parallel (c={train.cp}) is not implemented by the learner pool: drop the c dimension")
     return gen.backend, gen.dp, world
 
 
@@ -112,7 +109,12 @@ def _read_metrics(path: str) -> list[dict]:
 
 
 def summarize(rows: list[dict], max_staleness: int, wall_s: float) -> dict:
-    """summary.json. reward_first/last average the first/last min(5, steps) steps (one step is noisy)."""
+    """summary.json. reward_first/last average the first/last min(5, steps) steps (one step is noisy).
+
+    After a learner restart the steps since its checkpoint are trained again: the last row of each
+    step is the one the final model contains.
+    """
+    rows = list({r["step"]: r for r in rows}.values())
     rewards = [r["reward_mean"] for r in rows if r.get("samples")]  # steps that trained on something
     k = min(5, len(rewards))
     samples = sum(r.get("samples", 0) for r in rows)
@@ -159,6 +161,7 @@ class Run:
         self.redis = None
         self._redis_url: str | None = None
         self._buffer = None  # read-only view for the progress line
+        self._incarnation = 0
         self._server_devices: list[int] | None = None  # devices per server in the weight-update group
         self._learner_device = "cpu"
         self._stop_reason: str | None = None
@@ -262,7 +265,7 @@ class Run:
             env = self._child_env(redis_url)
             urls = self._start_servers(env)
             sglang = self.alloc.generation.backend == "sglang"
-            endpoints = {"servers": urls, "weight_sync_master_port": free_port(), "metrics_ports": {},
+            endpoints = {"servers": urls, "metrics_ports": {},
                          # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
                          "weight_backend": "nccl" if sglang else "gloo",
                          "server_devices": self._server_devices, "learner_device": self._learner_device}
@@ -275,13 +278,9 @@ class Run:
                 json.dump(endpoints, f, indent=1)
             self._write_prometheus_targets(urls, endpoints["metrics_ports"])
             common = ["--run-dir", self.run_dir]
-            learner_env = dict(env)
-            if sglang:
-                from areal_like.engine.sglang_args import TRAINER_WEIGHT_GROUP_ENV
-
-                learner_env.update(TRAINER_WEIGHT_GROUP_ENV)
-            self.procs.start("learner", [sys.executable, "-m", "areal_like.learner.main", *common,
-                                         "--metrics-port", str(learner_metrics)], learner_env)
+            self._learner_env = env
+            self._learner_metrics_port = learner_metrics
+            self._start_learners(incarnation=0)
             for k in range(self.cfg.rollout.workers):
                 self.procs.start(f"rollout{k}", [sys.executable, "-m", "areal_like.rollout.worker", *common,
                                                  "--index", str(k), "--metrics-port", str(rollout_ports[k])], env)
@@ -304,6 +303,35 @@ class Run:
             print(f"[launcher] {summary['exit_reason']}: {json.dumps(summary)}", flush=True)
             print(f"[launcher] run directory: {self.run_dir}", flush=True)
         return rc
+
+    def _start_learners(self, incarnation: int) -> None:
+        """The learner pool: WORLD_SIZE ranks with the usual torch.distributed environment."""
+        world = self.alloc.training.world_size
+        env = dict(self._learner_env)
+        if self.alloc.generation.backend == "sglang":
+            from areal_like.engine.sglang_args import TRAINER_WEIGHT_GROUP_ENV
+
+            env.update(TRAINER_WEIGHT_GROUP_ENV)
+        env.update({"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+        weight_port = free_port()  # fresh per incarnation: a dead rank 0's port may linger
+        for rank in range(world):
+            argv = [sys.executable, "-m", "areal_like.learner.main", "--run-dir", self.run_dir,
+                    "--incarnation", str(incarnation), "--weight-sync-port", str(weight_port)]
+            if rank == 0:
+                argv += ["--metrics-port", str(self._learner_metrics_port)]
+            self.procs.start(_learner_role(rank), argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        self._incarnation = incarnation
+
+    def _restart_learners(self, dead) -> None:
+        self._incarnation += 1
+        print(f"\n[launcher] {dead.name} exited with code {dead.proc.returncode}: restarting the learner pool "
+              f"from its latest checkpoint (restart {self._incarnation} of "
+              f"{self.cfg.launcher.max_learner_restarts}); last lines of {dead.log_path}:\n{dead.tail(5)}",
+              file=sys.stderr, flush=True)
+        for role in [r for r in self.procs.roles if r.name.startswith("learner")]:
+            self.procs.stop(role, timeout_s=10.0)
+            self.procs.forget(role)
+        self._start_learners(self._incarnation)
 
     def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int]) -> None:
         """file_sd targets for dashboards/prometheus.yml: every role's /metrics with a `role` label."""
@@ -329,13 +357,18 @@ class Run:
             return f"? ({type(e).__name__})"
 
     def _supervise(self, t0: float) -> int:
-        learner = next(r for r in self.procs.roles if r.name == "learner")
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         tty = sys.stdout.isatty()
         last_print = 0.0
         while True:
             for role in self.procs.dead():
-                if role is learner and role.proc.returncode == 0:
+                is_learner = role.name.startswith("learner")
+                if is_learner and role.name != "learner" and role.proc.returncode == 0:
+                    continue  # a non-zero rank finished with rank 0; rank 0's exit ends the run
+                if is_learner and role.proc.returncode != 0 and self._incarnation < self.cfg.launcher.max_learner_restarts:
+                    self._restart_learners(role)
+                    break
+                if role.name == "learner" and role.proc.returncode == 0:
                     if tty:
                         print()
                     print(_progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth()), flush=True)
@@ -360,6 +393,10 @@ class Run:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def _learner_role(rank: int) -> str:
+    return "learner" if rank == 0 else f"learner{rank}"
 
 
 def cmd_status(args) -> int:

@@ -15,7 +15,9 @@ def redis_server(tmp_path_factory):
     from areal_like.buffer.redis_server import RedisServer
 
     if shutil.which("redis-server") is None:
-        _pytest_redis.skip("redis-server not installed")
+        # CI always installs it; a silent skip would hide a broken set-up
+        _pytest_redis.fail("redis-server is not on PATH: run `bash scripts/setup.sh` (installs it with apt-get)",
+                           pytrace=False)
     srv = RedisServer(tmp_path_factory.mktemp("redis"))
     srv.start()
     try:

@@ -114,7 +114,9 @@ class TrainConfig(_Section):
     behav_imp_weight_mode: Literal["cap", "mask"] = "cap"
     adv_norm: Literal["grpo", "drgrpo"] = "grpo"
     max_consume_staleness: int | None = None
-    """Consume-time guard: drop groups older than this many versions (None = η from rollout)."""
+    """Consume-time guard: groups older than this many versions (None = η from rollout) are …"""
+    consume_stale_policy: Literal["drop", "keep"] = "drop"
+    """… dropped (acked, counted dropped:stale) or kept and trained anyway (counted stale_kept)."""
     micro_batch_tokens: int = 8192
     """Token budget of one micro-batch (padded B×T); gradients accumulate over micro-batches."""
     warmup_steps: int = 0
@@ -147,6 +149,12 @@ class WeightSyncConfig(_Section):
     timeout_s: float = 120.0
 
 
+class LauncherConfig(_Section):
+    max_learner_restarts: int = 0
+    """A learner rank that dies restarts the whole pool from its latest checkpoint (train.save_freq > 0)
+    up to this many times; servers, rollouts and Redis keep running. 0 = a dead learner ends the run."""
+
+
 class MetricsConfig(_Section):
     prometheus: bool = True
     """Each role serves /metrics on its own port (recorded in the run dir's ports.json)."""
@@ -166,6 +174,7 @@ class ExperimentConfig(_Section):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     weights: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
 
     def validate(self) -> None:
         """Cross-field checks; each error says which setting to change."""
@@ -179,6 +188,9 @@ class ExperimentConfig(_Section):
             raise ConfigError("rollout.workers must be ≥ 1")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
+        if self.launcher.max_learner_restarts > 0 and self.train.save_freq <= 0:
+            raise ConfigError("launcher.max_learner_restarts needs checkpoints to restart from: set train.save_freq=1 "
+                              "(or larger)")
         if self.generation.max_new_tokens < 1:
             raise ConfigError("generation.max_new_tokens must be ≥ 1")
 

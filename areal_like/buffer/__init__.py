@@ -2,9 +2,16 @@
 
 from areal_like.buffer.redis_client import RedisCallError, RedisCallTimeout, RedisEndpoint, make_async_client, make_client
 from areal_like.buffer.redis_server import RedisServer, RedisServerError
-from areal_like.buffer.replay_buffer import BufferFullTimeout, Entry, ReplayBuffer, split_stale, staleness
+from areal_like.buffer.replay_buffer import (
+    BufferFullTimeout,
+    CheckpointBehindBuffer,
+    Entry,
+    ReplayBuffer,
+    split_stale,
+    staleness,
+)
 
 __all__ = [
-    "BufferFullTimeout", "Entry", "RedisCallError", "RedisCallTimeout", "RedisEndpoint", "RedisServer",
+    "BufferFullTimeout", "CheckpointBehindBuffer", "Entry", "RedisCallError", "RedisCallTimeout", "RedisEndpoint", "RedisServer",
     "RedisServerError", "ReplayBuffer", "make_async_client", "make_client", "split_stale", "staleness",
 ]

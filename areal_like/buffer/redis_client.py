@@ -8,7 +8,21 @@ Two rules every Redis call in areal_like follows (DESIGN invariant 7):
   password never appears in a message.
 * **Only idempotent calls are retried.** redis-py ≥ 6 silently retries *every* command on
   connection errors; that would re-run a non-idempotent XREADGROUP. We switch its retry off and
-  retry ourselves, with exponential backoff, only for calls marked `idempotent=True`.
+  retry ourselves, with exponential backoff and jitter, only for calls marked `idempotent=True`:
+  at least `retries` times and for as long as `reconnect_timeout_s` after the first failure, so a
+  producer or the learner rides out a redis-server restart (SIGKILL → restart → AOF reload, during
+  which Redis answers LOADING) instead of failing.
+
+Restart detection (DESIGN invariant 4 across Redis crashes). With `appendfsync everysec` a crash of
+the machine can lose the last ~1 s of writes; a process that wrote in that second must redo its part
+(see replay_buffer.py). The endpoint counts the connections its clients open (`redis_connect_func`);
+after a call during which a new connection was opened it reads the server's `run_id` (INFO server),
+which changes on every restart. A changed run_id runs the restart hooks (`on_restart`) — operation
+generators registered by the buffer and the gate that re-add, re-commit or re-assert what this
+process knows it wrote recently. Hooks must be idempotent: they may run after a restart that lost
+nothing, and run again if a second crash interrupts them (the new run_id is recorded only once every
+hook finished). redis-py reconnects silently when it checks a dead pooled connection out, so counting
+connections — not errors — is what makes detection reliable.
 
 Sync/async without twin logic: the buffer and the gate write each operation once, as a generator
 that yields `Call` (one round trip: one command or a non-transactional pipeline) or `Sleep`, and
@@ -22,10 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
+import logging
 import os
 import random
+import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +51,7 @@ import redis
 import redis.asyncio
 import redis.exceptions as rexc
 
+log = logging.getLogger(__name__)
 
 class RedisCallError(RuntimeError):
     """A Redis call failed. The message names host:port/db, the key and the operation."""
@@ -49,6 +67,15 @@ def endpoint_name(url: str) -> str:
     db = (u.path or "/0").lstrip("/") or "0"
     tls = " (tls)" if u.scheme == "rediss" else ""
     return f"{u.hostname or 'localhost'}:{u.port or 6379}/{db}{tls}"
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a DNS name: assume it leaves the machine
 
 
 def _client_kwargs(
@@ -74,6 +101,24 @@ def _client_kwargs(
     return kw
 
 
+def check_url_security(url: str, password_env: str | None = None) -> list[str]:
+    """Warnings (also logged) for a URL that sends secrets or trajectories in the clear off this host,
+    or reaches a remote Redis without any password. Empty for loopback or rediss:// with a password."""
+    u = urlsplit(url)
+    has_pw = bool(u.password) or bool(password_env and os.environ.get(password_env))
+    out: list[str] = []
+    if not is_loopback(u.hostname):
+        if u.scheme == "redis":
+            out.append(f"redis {endpoint_name(url)} is not on this host and the URL is redis:// (no TLS): the password "
+                       f"and every trajectory cross the network in clear text; use rediss://")
+        if not has_pw:
+            out.append(f"redis {endpoint_name(url)} is not on this host and no password is set (URL or "
+                       f"${password_env}): anyone who can reach it can read and write the buffer")
+    for w in out:
+        log.warning(w)
+    return out
+
+
 def make_client(
     url: str,
     *,
@@ -81,16 +126,24 @@ def make_client(
     socket_timeout_s: float = 10.0,
     connect_timeout_s: float = 5.0,
     health_check_interval_s: int = 30,
+    on_connect: Callable[[], None] | None = None,
 ) -> redis.Redis:
     """A sync client for `url` (redis:// or rediss://) with explicit timeouts and no implicit retries.
 
     The password comes from the URL, else from the environment variable `password_env`.
     `socket_timeout_s` must exceed any BLOCK time used on this client (the caller checks).
+    `on_connect()` is called after each new connection has authenticated.
     """
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     kw = _client_kwargs(url, password_env, socket_timeout_s, connect_timeout_s, health_check_interval_s)
+    if on_connect is not None:
+        def connect_func(conn: Any) -> None:
+            conn.on_connect()  # AUTH, SELECT, … — what redis-py does when no callback is given
+            on_connect()
+
+        kw["redis_connect_func"] = connect_func
     return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **kw)
 
 
@@ -101,12 +154,19 @@ def make_async_client(
     socket_timeout_s: float = 10.0,
     connect_timeout_s: float = 5.0,
     health_check_interval_s: int = 30,
+    on_connect: Callable[[], None] | None = None,
 ) -> redis.asyncio.Redis:
     """The `redis.asyncio` twin of `make_client` (same timeouts, no implicit retries)."""
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
     kw = _client_kwargs(url, password_env, socket_timeout_s, connect_timeout_s, health_check_interval_s)
+    if on_connect is not None:
+        async def connect_func(conn: Any) -> None:
+            await conn.on_connect()
+            on_connect()
+
+        kw["redis_connect_func"] = connect_func
     return redis.asyncio.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **kw)
 
 
@@ -132,11 +192,17 @@ class Cmd:
     kwargs: dict | None = None
     script: LuaScript | None = None
     ok_errors: tuple[str, ...] = ()
-    """ResponseError prefixes (e.g. "BUSYGROUP") returned as values instead of raised."""
+    """ResponseError message prefixes (e.g. "BUSYGROUP") or redis-py class names (e.g.
+    "OutOfMemoryError") returned as values instead of raised."""
 
     @staticmethod
     def lua(script: LuaScript, keys: list[str] | tuple[str, ...], args: list | tuple = ()) -> "Cmd":
         return Cmd("evalsha", (script.sha, len(keys), *keys, *args), script=script)
+
+    @staticmethod
+    def eval(script: LuaScript, keys: list[str] | tuple[str, ...], args: list | tuple = ()) -> "Cmd":
+        """EVAL with the source: for use inside MULTI (cannot fail with NOSCRIPT)."""
+        return Cmd("eval", (script.source, len(keys), *keys, *args))
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +213,9 @@ class Call:
     key: str
     cmds: tuple[Cmd, ...]
     idempotent: bool
+    transaction: bool = False
+    """Send the commands as MULTI … EXEC (atomic). Scripts in it must be `Cmd.eval` — an EVALSHA
+    failing with NOSCRIPT inside EXEC would leave the other commands applied."""
 
     @staticmethod
     def one(what: str, key: str, cmd: Cmd, *, idempotent: bool) -> "Call":
@@ -163,8 +232,16 @@ OpGen = Generator[Op, Any, Any]
 
 
 # ---- the driver --------------------------------------------------------------------------------
-_RETRYABLE = (rexc.ConnectionError, rexc.TimeoutError)
+_RETRYABLE = (rexc.ConnectionError, rexc.TimeoutError)  # BusyLoadingError (AOF reload) is a ConnectionError
 _NOT_RETRYABLE = (rexc.AuthenticationError, rexc.AuthorizationError)
+
+RestartHook = Callable[[], OpGen]
+
+
+def _server_id(info: Any) -> str:
+    if isinstance(info, Exception):  # INFO not allowed for this ACL user: every reconnect counts as a restart
+        return f"unknown-{time.monotonic_ns()}"
+    return str(info.get("run_id", ""))
 
 
 class RedisEndpoint:
@@ -172,6 +249,9 @@ class RedisEndpoint:
 
     Share one endpoint between the buffer and the gate of a process to share its connections.
     The asyncio client is bound to the event loop it was created in; a new loop gets a new client.
+
+    Errors: a failed call raises `RedisCallError`/`RedisCallTimeout` *into* the operation generator
+    (`gen.throw`), so an operation may handle it; uncaught, it leaves `run`/`arun`.
     """
 
     def __init__(
@@ -185,6 +265,7 @@ class RedisEndpoint:
         retries: int = 6,
         backoff_base_s: float = 0.05,
         backoff_cap_s: float = 2.0,
+        reconnect_timeout_s: float = 60.0,
     ) -> None:
         self.url = url
         self.name = endpoint_name(url)
@@ -195,13 +276,32 @@ class RedisEndpoint:
         self.retries = retries
         self.backoff_base_s = backoff_base_s
         self.backoff_cap_s = backoff_cap_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        """Idempotent calls keep retrying connection errors this long (after `retries` attempts)."""
         _client_kwargs(url, None, 1, 1, 0)  # validate the scheme now, not at the first call
+        check_url_security(url, password_env)
         self._sync: redis.Redis | None = None
         self._async: redis.asyncio.Redis | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
+        # restart detection
+        self.connects = 0  # connections opened by our clients (sync + async)
+        self._checked_connects = 0  # `connects` when the server identity was last read
+        self.run_id: str | None = None  # server identity (INFO server run_id) last seen
+        self.restarts = 0  # server restarts seen by this endpoint
+        self._hooks: list[RestartHook] = []
+        self._in_check = False
+        self._sync_lock = threading.Lock()
+        self._async_lock: asyncio.Lock | None = None
 
     def __repr__(self) -> str:
         return f"RedisEndpoint({self.name})"
+
+    def on_restart(self, hook: RestartHook) -> None:
+        """Register an idempotent operation run after a server restart is detected (see module doc)."""
+        self._hooks.append(hook)
+
+    def _count_connect(self) -> None:
+        self.connects += 1
 
     # -- clients --
     @property
@@ -210,6 +310,7 @@ class RedisEndpoint:
             self._sync = make_client(
                 self.url, password_env=self.password_env, socket_timeout_s=self.socket_timeout_s,
                 connect_timeout_s=self.connect_timeout_s, health_check_interval_s=self.health_check_interval_s,
+                on_connect=self._count_connect,
             )
         return self._sync
 
@@ -220,8 +321,10 @@ class RedisEndpoint:
             self._async = make_async_client(
                 self.url, password_env=self.password_env, socket_timeout_s=self.socket_timeout_s,
                 connect_timeout_s=self.connect_timeout_s, health_check_interval_s=self.health_check_interval_s,
+                on_connect=self._count_connect,
             )
             self._async_loop = loop
+            self._async_lock = asyncio.Lock()
         return self._async
 
     def close(self) -> None:
@@ -245,14 +348,50 @@ class RedisEndpoint:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
         return cls(f"redis {self.name} key {call.key}: {call.what} failed{tries}: {type(e).__name__}: {e}")
 
-    def _retry(self, call: Call, e: BaseException, attempt: int) -> bool:
-        if isinstance(e, _NOT_RETRYABLE) or not isinstance(e, _RETRYABLE):
+    def _retry(self, call: Call, e: BaseException, attempt: int, first_fail: float) -> bool:
+        if isinstance(e, _NOT_RETRYABLE) or not isinstance(e, _RETRYABLE) or not call.idempotent:
             return False
-        return call.idempotent and attempt < self.retries
+        if attempt < self.retries or time.monotonic() - first_fail < self.reconnect_timeout_s:
+            if attempt == 0:
+                log.warning("redis %s key %s: %s: %s: %s; retrying with backoff for up to %.0f s", self.name,
+                            call.key, call.what, type(e).__name__, e, self.reconnect_timeout_s)
+            return True
+        return False
+
+    def _recovered(self, call: Call, attempt: int, first_fail: float) -> None:
+        if attempt:
+            log.warning("redis %s key %s: %s succeeded after %d retries (%.1f s)", self.name, call.key, call.what,
+                        attempt, time.monotonic() - first_fail)
 
     @staticmethod
     def _ok_error(cmd: Cmd, e: rexc.ResponseError) -> bool:
-        return any(str(e).startswith(p) for p in cmd.ok_errors)
+        return any(str(e).startswith(p) or type(e).__name__ == p for p in cmd.ok_errors)
+
+    # -- restart detection: one generator, driven by run/arun --
+    def _needs_check(self) -> bool:
+        return self.connects != self._checked_connects and not self._in_check
+
+    def _g_check_server(self) -> OpGen:
+        """Read the server's run_id; on a change run every restart hook, then record the new id."""
+        info = yield Call.one("read server identity (INFO server)", "-",
+                              Cmd("info", ("server",), ok_errors=("NOPERM",)), idempotent=True)
+        # connections opened so far belong to this identity (the INFO call itself may have opened one)
+        self._checked_connects = self.connects
+        rid = _server_id(info)
+        if self.run_id is None:
+            self.run_id = rid  # first contact: the baseline, nothing to redo
+            return
+        if rid == self.run_id:
+            return
+        log.warning("redis %s restarted (run_id %s… → %s…): running %d recovery hook(s)", self.name,
+                    self.run_id[:8], rid[:8], len(self._hooks))
+        for hook in self._hooks:
+            yield from hook()
+        self.run_id = rid  # only now: a crash during the hooks makes the next check run them again
+        self.restarts += 1
+        from areal_like.metrics import REDIS_RESTARTS
+
+        REDIS_RESTARTS.inc()
 
     # -- sync --
     def _cmd_sync(self, client: Any, cmd: Cmd) -> Any:
@@ -270,34 +409,60 @@ class RedisEndpoint:
 
     def _call_sync(self, call: Call) -> Any:
         attempt = 0
+        first_fail = 0.0
         while True:
             try:
                 if len(call.cmds) == 1:
-                    return self._cmd_sync(self.client, call.cmds[0])
-                pipe = self.client.pipeline(transaction=False)
-                for c in call.cmds:
-                    getattr(pipe, c.method)(*c.args, **(c.kwargs or {}))
-                return pipe.execute()
+                    out = self._cmd_sync(self.client, call.cmds[0])
+                else:
+                    pipe = self.client.pipeline(transaction=call.transaction)
+                    for c in call.cmds:
+                        getattr(pipe, c.method)(*c.args, **(c.kwargs or {}))
+                    out = pipe.execute()
+                self._recovered(call, attempt, first_fail)
+                return out
             except rexc.RedisError as e:
-                if self._retry(call, e, attempt):
+                if attempt == 0:
+                    first_fail = time.monotonic()
+                if self._retry(call, e, attempt, first_fail):
                     time.sleep(self._delay(attempt))
                     attempt += 1
                     continue
                 raise self._error(call, e, attempt + 1) from e
 
-    def run(self, gen: OpGen) -> Any:
-        """Drive an operation generator with the sync client; returns the generator's return value."""
+    def _check_sync(self) -> None:
+        with self._sync_lock:
+            if not self._needs_check():
+                return
+            self._in_check = True
+            try:
+                self._drive_sync(self._g_check_server())
+            finally:
+                self._in_check = False
+
+    def _drive_sync(self, gen: OpGen) -> Any:
         reply: Any = None
+        err: BaseException | None = None
         while True:
             try:
-                op = gen.send(reply)
+                op = gen.send(reply) if err is None else gen.throw(err)
             except StopIteration as stop:
                 return stop.value
+            err = reply = None
             if isinstance(op, Sleep):
                 time.sleep(op.seconds)
-                reply = None
-            else:
+                continue
+            try:
                 reply = self._call_sync(op)
+            except RedisCallError as e:
+                err = e
+                continue
+            if self._needs_check():
+                self._check_sync()
+
+    def run(self, gen: OpGen) -> Any:
+        """Drive an operation generator with the sync client; returns the generator's return value."""
+        return self._drive_sync(gen)
 
     # -- asyncio --
     async def _cmd_async(self, client: Any, cmd: Cmd) -> Any:
@@ -314,32 +479,59 @@ class RedisEndpoint:
 
     async def _call_async(self, call: Call) -> Any:
         attempt = 0
+        first_fail = 0.0
         while True:
             try:
                 client = self.async_client
                 if len(call.cmds) == 1:
-                    return await self._cmd_async(client, call.cmds[0])
-                pipe = client.pipeline(transaction=False)
-                for c in call.cmds:
-                    getattr(pipe, c.method)(*c.args, **(c.kwargs or {}))
-                return await pipe.execute()
+                    out = await self._cmd_async(client, call.cmds[0])
+                else:
+                    pipe = client.pipeline(transaction=call.transaction)
+                    for c in call.cmds:
+                        getattr(pipe, c.method)(*c.args, **(c.kwargs or {}))
+                    out = await pipe.execute()
+                self._recovered(call, attempt, first_fail)
+                return out
             except rexc.RedisError as e:
-                if self._retry(call, e, attempt):
+                if attempt == 0:
+                    first_fail = time.monotonic()
+                if self._retry(call, e, attempt, first_fail):
                     await asyncio.sleep(self._delay(attempt))
                     attempt += 1
                     continue
                 raise self._error(call, e, attempt + 1) from e
 
-    async def arun(self, gen: OpGen) -> Any:
-        """Drive an operation generator with the asyncio client."""
+    async def _check_async(self) -> None:
+        assert self._async_lock is not None
+        async with self._async_lock:  # concurrent coroutines: one of them runs the hooks
+            if not self._needs_check():
+                return
+            self._in_check = True
+            try:
+                await self._drive_async(self._g_check_server())
+            finally:
+                self._in_check = False
+
+    async def _drive_async(self, gen: OpGen) -> Any:
         reply: Any = None
+        err: BaseException | None = None
         while True:
             try:
-                op = gen.send(reply)
+                op = gen.send(reply) if err is None else gen.throw(err)
             except StopIteration as stop:
                 return stop.value
+            err = reply = None
             if isinstance(op, Sleep):
                 await asyncio.sleep(op.seconds)
-                reply = None
-            else:
+                continue
+            try:
                 reply = await self._call_async(op)
+            except RedisCallError as e:
+                err = e
+                continue
+            if self._needs_check():
+                await self._check_async()
+
+    async def arun(self, gen: OpGen) -> Any:
+        """Drive an operation generator with the asyncio client."""
+        return await self._drive_async(gen)

@@ -3,12 +3,18 @@
 All keys of one run share the hash tag `{stream}` so they live in one Redis Cluster slot and a
 script may touch all of them atomically:
 
-    {p}:stream     STREAM  one entry per accepted group, field `g` = msgpack TrajectoryGroup
+    {p}:stream     STREAM  one entry per accepted group: field `g` = msgpack TrajectoryGroup,
+                           field `i` = its group id (lets a script check an entry without decoding),
+                           field `r` = "1" on a group re-added after a Redis restart
     {p}:version    STRING  policy version v (set by the learner after weights landed everywhere)
-    {p}:counters   HASH    accepted, duplicates, acked, reclaimed, dropped:<reason>
+    {p}:counters   HASH    accepted, duplicates, acked, reclaimed, dropped:<reason>, stale_kept,
+                           readded_after_restart, lost_after_restart, recommitted_after_restart
     {p}:running    ZSET    gate slots held by groups being generated; member = slot id (the group
                            id the worker will produce), score = acquire time (ms, Redis clock)
     {p}:gid:<id>   STRING  idempotency marker of an accepted group (value = its entry id; TTL)
+    {p}:trained    ZSET    group ids committed by the learner (score = commit time, ms, Redis
+                           clock), written in the same script as their XACK; pruned after a TTL
+    {p}:committed:<consumer>  STRING  the highest learner step committed by that consumer
 
 The scripts use only commands allowed in scripts and Redis's own clock (TIME), so every client on
 every host sees one ordering and one time.
@@ -28,15 +34,19 @@ class Keys:
     version: str
     counters: str
     running: str
+    trained: str
 
     @staticmethod
     def for_stream(stream: str) -> "Keys":
         p = "{" + stream + "}"
         return Keys(prefix=p, stream=f"{p}:stream", version=f"{p}:version", counters=f"{p}:counters",
-                    running=f"{p}:running")
+                    running=f"{p}:running", trained=f"{p}:trained")
 
     def group_id(self, group_id: str) -> str:
         return f"{self.prefix}:gid:{group_id}"
+
+    def committed(self, consumer: str) -> str:
+        return f"{self.prefix}:committed:{consumer}"
 
 
 # Undelivered depth = XLEN − PEL size: acked entries are XDEL'd, so the stream holds exactly the
@@ -51,25 +61,131 @@ local function depth(stream, group)
 end
 """
 
-# KEYS: stream, counters, running, gid-key   ARGV: payload, group, max_groups, id_ttl_s, group_id
-# Returns {1, entry_id} accepted | {0, entry_id} duplicate | {-1, depth} buffer full (retry later).
+_NOW_MS = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: stream, counters, running, gid-key, trained
+# ARGV: payload, group, max_groups, id_ttl_s, group_id, readd ("1" = re-add after a Redis restart)
+# Returns {1, entry_id} accepted | {0, entry_id or 'trained'} duplicate | {-1, depth} buffer full.
+# A re-add skips back-pressure (it restores what the buffer held) and is counted, not `duplicates`.
 ADD_GROUP = LuaScript("add_group", _DEPTH + """
+local readd = ARGV[6] == '1'
 local prev = redis.call('GET', KEYS[4])
+if not prev and redis.call('ZSCORE', KEYS[5], ARGV[5]) then prev = 'trained' end
 if prev then
   redis.call('ZREM', KEYS[3], ARGV[5])  -- a retried add: the slot was freed by the first one
-  redis.call('HINCRBY', KEYS[2], 'duplicates', 1)
+  if not readd then redis.call('HINCRBY', KEYS[2], 'duplicates', 1) end
   return {0, prev}
 end
 local max_groups = tonumber(ARGV[3])
-if max_groups > 0 then
+if max_groups > 0 and not readd then
   local d = depth(KEYS[1], ARGV[2])
   if d >= max_groups then return {-1, tostring(d)} end
 end
-local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
+local id
+if readd then
+  id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1], 'i', ARGV[5], 'r', '1')
+  redis.call('HINCRBY', KEYS[2], 'readded_after_restart', 1)
+else
+  id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1], 'i', ARGV[5])
+end
 redis.call('SET', KEYS[4], id, 'EX', tonumber(ARGV[4]))
 redis.call('ZREM', KEYS[3], ARGV[5])        -- running -= 1 (no-op if the producer held no slot)
 redis.call('HINCRBY', KEYS[2], 'accepted', 1) -- accepted += 1, in the same atomic step as the XADD
 return {1, id}
+""")
+
+# The fast path of add_group (the payload never enters Lua, which would double Redis's CPU per add):
+#     MULTI;  XADD {p}:stream * g <payload> i <group id>;  EVAL ADD_AFTER …;  EXEC
+# The transaction makes the XADD and this script one atomic step (also in the AOF). The script
+# decides; when the add must not happen (duplicate, already trained, buffer full) it deletes the
+# entry the XADD just appended — the stream's last entry, since nothing runs between them.
+# KEYS: stream, counters, running, gid-key, trained   ARGV: group, max_groups, id_ttl_s, group_id
+# Returns {1, depth after} accepted | {0, prev} duplicate | {-1, depth} buffer full.
+ADD_AFTER = LuaScript("add_after", _DEPTH + """
+local function undo()
+  local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+  redis.call('XDEL', KEYS[1], last[1][1])
+end
+local prev = redis.call('GET', KEYS[4])
+if not prev and redis.call('ZSCORE', KEYS[5], ARGV[4]) then prev = 'trained' end
+if prev then
+  undo()
+  redis.call('ZREM', KEYS[3], ARGV[4])
+  redis.call('HINCRBY', KEYS[2], 'duplicates', 1)
+  return {0, prev}
+end
+local max_groups = tonumber(ARGV[2])
+local d = -1
+if max_groups > 0 then
+  d = depth(KEYS[1], ARGV[1]) - 1  -- not counting the entry just appended
+  if d >= max_groups then undo(); return {-1, tostring(d)} end
+end
+redis.call('SET', KEYS[4], '1', 'EX', tonumber(ARGV[3]))
+redis.call('ZREM', KEYS[3], ARGV[4])
+redis.call('HINCRBY', KEYS[2], 'accepted', 1)
+return {1, tostring(d + 1)}
+""")
+
+# KEYS: stream, counters, gid-key, trained   ARGV: group, max_groups, group_id — read-only pre-check
+# while the buffer is (nearly) full, so waiting producers do not append-and-undo big payloads.
+# Returns {0, prev} duplicate | {-1, depth} full | {1, depth} room.
+ADD_CHECK = LuaScript("add_check", _DEPTH + """
+local prev = redis.call('GET', KEYS[3])
+if not prev and redis.call('ZSCORE', KEYS[4], ARGV[3]) then prev = 'trained' end
+if prev then return {0, prev} end
+local max_groups = tonumber(ARGV[2])
+local d = depth(KEYS[1], ARGV[1])
+if max_groups > 0 and d >= max_groups then return {-1, tostring(d)} end
+return {1, tostring(d)}
+""")
+
+# KEYS: stream, counters, trained, committed-key
+# ARGV: group, step, trained_ttl_ms, recommit ("1" after a Redis restart), then entry_id, group_id pairs
+# The learner's commit (exactly-once protocol, see replay_buffer.py): for each pair XACK + XDEL and
+# ZADD the group id to the trained set, and raise the committed step — one atomic step, so Redis
+# never holds "acked but not recorded as trained" or the reverse. Idempotent: committing again acks
+# nothing twice and only refreshes the trained-set scores. An entry that is no longer pending (its
+# delivery was lost in a Redis crash) is deleted only if its field `i` names the same group, so a
+# wrong id never deletes someone else's group.
+# Returns {entries deleted, group ids newly recorded as trained}; on a re-commit the second number
+# is what the crash had lost (counted recommitted_after_restart).
+COMMIT = LuaScript("commit", _NOW_MS + """
+local now = now_ms()
+local n, fresh = 0, 0
+for i = 5, #ARGV, 2 do
+  local eid, gid = ARGV[i], ARGV[i + 1]
+  if redis.call('XACK', KEYS[1], ARGV[1], eid) == 1 then
+    redis.call('XDEL', KEYS[1], eid)
+    n = n + 1
+  else
+    local e = redis.call('XRANGE', KEYS[1], eid, eid)
+    if #e > 0 then
+      local f = e[1][2]
+      for j = 1, #f, 2 do
+        if f[j] == 'i' and f[j + 1] == gid then redis.call('XDEL', KEYS[1], eid); n = n + 1 end
+      end
+    end
+  end
+  fresh = fresh + redis.call('ZADD', KEYS[3], now, gid)
+end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'acked', n) end
+if ARGV[4] == '1' and fresh > 0 then redis.call('HINCRBY', KEYS[2], 'recommitted_after_restart', fresh) end
+local step = tonumber(ARGV[2])
+if step >= 0 and step > tonumber(redis.call('GET', KEYS[4]) or '-1') then redis.call('SET', KEYS[4], step) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - tonumber(ARGV[3])))
+return {n, fresh}
+""")
+
+# KEYS: trained   ARGV: group ids — which of them the learner already committed (1/0 each).
+TRAINED = LuaScript("trained", """
+local out = {}
+for i = 1, #ARGV do out[i] = redis.call('ZSCORE', KEYS[1], ARGV[i]) and 1 or 0 end
+return out
 """)
 
 # KEYS: stream, counters   ARGV: group, counter field, id...
@@ -149,6 +265,24 @@ GATE_STATE = LuaScript("gate_state", """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
 local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
 return {v, accepted, redis.call('ZCARD', KEYS[3]), (tonumber(ARGV[1]) + v + 1) * tonumber(ARGV[2])}
+""")
+
+# KEYS: running, trained   ARGV: prefix, slot ids — after a Redis restart the gate re-asserts the
+# slots this worker still holds: a slot whose ZADD was lost is added back, unless its group was
+# accepted meanwhile (its idempotency marker {p}:gid:<slot> exists) or trained (in {p}:trained — a
+# re-add refused as already trained writes no marker). Returns {re-added count, done slot ids}.
+REASSERT = LuaScript("gate_reassert", _NOW_MS + """
+local now = now_ms()
+local added, accepted = 0, {}
+for i = 2, #ARGV do
+  if redis.call('EXISTS', ARGV[1] .. ':gid:' .. ARGV[i]) == 1 or redis.call('ZSCORE', KEYS[2], ARGV[i]) then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+    accepted[#accepted + 1] = ARGV[i]
+  elseif redis.call('ZADD', KEYS[1], 'NX', now, ARGV[i]) == 1 then
+    added = added + 1
+  end
+end
+return {added, accepted}
 """)
 
 # KEYS: running   ARGV: max_age_ms — frees slots held longer than that (their worker died).

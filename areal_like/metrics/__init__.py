@@ -42,6 +42,11 @@ BUFFER_CONSUMED = Counter("areal_like_buffer_consumed_groups", "Groups read by t
 BUFFER_RECLAIMED = Counter("areal_like_buffer_reclaimed_groups", "Pending groups reclaimed from dead consumers", registry=REGISTRY)
 BUFFER_DROPPED = Counter("areal_like_buffer_dropped_groups", "Groups dropped, by reason", ["reason"], registry=REGISTRY)
 BUFFER_OLDEST_AGE = Gauge("areal_like_buffer_oldest_age_seconds", "Age of the oldest unconsumed group", registry=REGISTRY)
+BUFFER_STALE_KEPT = Counter("areal_like_buffer_stale_kept_groups", "Groups older than the consume-time limit trained "
+                            "anyway (stale policy keep)", registry=REGISTRY)
+BUFFER_RESTART_RECOVERY = Counter("areal_like_buffer_restart_recovery_groups", "Groups redone after a Redis restart, "
+                                  "by outcome (readded, recommitted, lost)", ["outcome"], registry=REGISTRY)
+REDIS_RESTARTS = Counter("areal_like_redis_restarts", "Redis server restarts detected (run_id changed)", registry=REGISTRY)
 
 # --- learner -----------------------------------------------------------------------------------
 POLICY_VERSION = Gauge("areal_like_policy_version", "Policy version v of the learner", registry=REGISTRY)

@@ -40,6 +40,22 @@ after a lost reply: acquiring a held slot grants it again, releasing twice frees
 of a group whose slot is already gone frees nothing. Slots of a worker that died are freed by
 `reap(max_age_s)` (the supervisor calls it; it is not automatic, because a generation may be long).
 
+Redis crashes (AOF everysec; see buffer/replay_buffer.py). A machine crash can lose the last ~1 s
+of writes, and with them recent changes of the counters:
+  * lost slot grants (ZADD to running) make `running` too small by the number of slots granted in
+    the lost second. Each gate remembers the slots it granted and has not released; when its
+    endpoint detects the restart (run_id changed) it re-asserts them (REASSERT: ZADD NX, unless the
+    group was accepted meanwhile), so `running` is exact again once every live worker has made one
+    Redis call. Until then other workers may be granted up to that many extra slots: the bound can
+    be exceeded by at most the number of grants in the lost second, once, and those groups are
+    ≤ ⌈extra/B⌉ versions staler than η allows — the learner's consume-time guard drops or counts
+    them (stale / stale_kept). Slots of a worker that died with Redis are freed by `reap`.
+  * lost accepts (the XADD and `accepted += 1` go together in one script, so they are lost
+    together) are re-added by the producer's journal, which restores `accepted`; a group the
+    producer could not re-add is counted lost_after_restart and its slot is not held by anyone.
+  * a lost `set_version` makes v (and the capacity) smaller until the learner sets it again (the
+    learner re-sets v every step) — that only delays workers, never over-admits.
+
 The bound is on counts. For η = 0 it makes staleness exactly 0. For η > 0 a group whose generation
 outlives η training steps (a straggler) can still be older than η when consumed; the learner's
 consume-time guard (`ReplayBuffer.filter_stale`) drops and counts those (DESIGN invariant 3).
@@ -112,6 +128,12 @@ class StalenessGate:
         self.batch_size = batch_size
         self.poll_s = poll_s
         self.max_poll_s = max_poll_s
+        # slots granted to this process and not released here (some were freed by add_group; the
+        # next re-assert forgets those): re-asserted after a Redis restart
+        self._held: dict[str, None] = {}
+        self._grants_since_prune = 0
+        self.prune_every = 1024
+        self.endpoint.on_restart(self._g_reassert)
 
     @classmethod
     def from_config(cls, cfg: BufferConfig, *, max_staleness: int, batch_size: int, url: str | None = None,
@@ -139,7 +161,27 @@ class StalenessGate:
         d = GateDecision(bool(g), int(v), int(a), int(r), int(c))
         if not d.granted:
             GATE_REJECTIONS.inc()
+        elif slot_id not in self._held:
+            self._held[slot_id] = None
+            self._grants_since_prune += 1
+            if self._grants_since_prune >= self.prune_every:
+                yield from self._g_reassert()  # also forgets slots whose groups were accepted
         return d
+
+    def _g_reassert(self) -> OpGen:
+        """Restart hook (idempotent): put back the slots this process holds; forget accepted ones."""
+        self._grants_since_prune = 0
+        slots = list(self._held)
+        k = self.keys
+        added = 0
+        for i in range(0, len(slots), 512):
+            chunk = slots[i:i + 512]
+            n, accepted = yield Call.one(f"gate re-assert {len(chunk)} slots", k.running,
+                                         Cmd.lua(scripts.REASSERT, [k.running, k.trained], [k.prefix, *chunk]), idempotent=True)
+            added += int(n)
+            for sl in accepted:
+                self._held.pop(sl.decode() if isinstance(sl, bytes) else str(sl), None)
+        return added
 
     def _g_acquire(self, slot_id: str, timeout_s: float | None) -> OpGen:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -158,6 +200,7 @@ class StalenessGate:
             delay = min(self.max_poll_s, delay * 1.5)  # back off while the learner trains
 
     def _g_release(self, slot_id: str) -> OpGen:
+        self._held.pop(slot_id, None)
         n = yield Call.one(f"gate release slot {slot_id}", self.keys.running,
                            Cmd("zrem", (self.keys.running, slot_id)), idempotent=True)
         return bool(n)
@@ -194,6 +237,11 @@ class StalenessGate:
     def state(self) -> dict[str, int]:
         """{version, accepted, running, capacity}, read atomically."""
         return self.endpoint.run(self._g_state())
+
+    def reassert(self) -> int:
+        """Put back this process's slots after a Redis restart (runs by itself when one is detected);
+        returns how many were missing."""
+        return self.endpoint.run(self._g_reassert())
 
     def reap(self, max_age_s: float) -> int:
         """Free slots held for longer than `max_age_s` (workers that died mid-group); returns how many."""

@@ -216,10 +216,10 @@ def test_kill9_and_restart_keeps_entries_counters_and_version(tmp_path):
         time.sleep(1.3)  # appendfsync everysec: let one fsync pass
         srv.kill()
         with pytest.raises(RedisCallError):
-            b.endpoint.retries = 0
+            b.endpoint.retries, b.endpoint.reconnect_timeout_s = 0, 0
             b.get_version()
         srv.restart()
-        b.endpoint.retries = 6
+        b.endpoint.retries, b.endpoint.reconnect_timeout_s = 6, 60
         after = b.stats()  # the same client object reconnects
         for k in ("added", "acked", "depth", "pending", "version", "running"):
             assert after[k] == before[k], k
@@ -232,3 +232,158 @@ def test_kill9_and_restart_keeps_entries_counters_and_version(tmp_path):
         b.close()
         gate.close()
     assert not srv.is_running()
+
+
+# ---- consume-time policy, commit, recover ---------------------------------------------------------
+def test_stale_policy_keep_trains_and_counts(buf):
+    for v in range(3):
+        buf.add_group(group(f"v{v}", version=v))
+    entries = buf.read(3, consumer="L")
+    keep, dropped = buf.filter_stale(entries, current_version=2, max_staleness=0, policy="keep")
+    assert [e[1].group_id for e in keep] == ["v0", "v1", "v2"] and dropped == []
+    st = buf.stats()
+    assert st["stale_kept"] == 2 and st["dropped"] == {} and st["pending"] == 3
+    with pytest.raises(ValueError, match="'drop' or 'keep'"):
+        buf.filter_stale(entries, 2, 0, policy="maybe")
+
+
+def test_commit_records_trained_ids_and_blocks_their_return(buf):
+    for i in range(3):
+        buf.add_group(group(f"g{i}"))
+    got = buf.read(3, consumer="L")
+    pairs = [(e, g.group_id) for e, g in got]
+    assert buf.held("L") == dict(pairs)
+    assert buf.commit(pairs, step=1, consumer="L") == 3
+    assert buf.commit(pairs, step=1, consumer="L") == 0  # idempotent
+    assert buf.held("L") == {}
+    c = buf.endpoint.client
+    assert c.zcard(buf.keys.trained) == 3 and c.get(buf.keys.committed("L")) == b"1"
+    assert buf.add_group(group("g1")) is False  # trained (and its marker exists): never re-enters
+    c.delete(buf.keys.group_id("g2"))  # marker gone (e.g. expired): the trained set still refuses it
+    assert buf.add_group(group("g2")) is False
+    st = buf.stats()
+    assert st["acked"] == 3 and st["pending"] == 0 and c.xlen(buf.keys.stream) == 0
+
+
+def test_recover_commits_the_checkpoint_and_returns_only_untrained_pending(buf, redis_server):
+    from areal_like.buffer.replay_buffer import CheckpointBehindBuffer
+
+    for i in range(6):
+        buf.add_group(group(f"g{i}"))
+    step1 = buf.read(2, consumer="L")
+    buf.commit([(e, g.group_id) for e, g in step1], step=1, consumer="L")
+    step2 = buf.read(2, consumer="L")  # checkpoint 2 saved with these, then the learner died
+    buf.read(2, consumer="L")  # step 3 read and trained, never checkpointed
+    ckpt2 = [(e, g.group_id) for e, g in step2]
+
+    fresh = ReplayBuffer(redis_server.url, stream=buf.stream, block_ms=100)  # the restarted learner
+    redo = fresh.recover("L", ckpt2, step=2)
+    assert [g.group_id for _, g in redo] == ["g4", "g5"]  # re-trained into the restored model
+    assert set(fresh.held("L").values()) == {"g4", "g5"}
+    assert fresh.read(5, block_ms=0, consumer="L") == []  # nothing is handed out twice
+    assert buf.endpoint.client.get(buf.keys.committed("L")) == b"2"
+    with pytest.raises(CheckpointBehindBuffer, match="step 2 but the checkpoint being resumed is step 1"):
+        ReplayBuffer(redis_server.url, stream=buf.stream).recover("L", [], step=1)
+    fresh.close()
+
+
+def test_redelivered_held_entry_and_readded_duplicate_are_skipped(buf):
+    buf.add_group(group("g0"))
+    (eid, _), = buf.read(1, consumer="L")
+    c = buf.endpoint.client
+    # a Redis restart that lost the delivery: the entry is undelivered again, the learner still holds it
+    c.xgroup_setid(buf.keys.stream, buf.consumer_group, "0")
+    c.xack(buf.keys.stream, buf.consumer_group, eid)
+    # … and a producer re-added the same group (new entry id, flag r=1)
+    from areal_like.api.trajectory import encode_group
+
+    c.xadd(buf.keys.stream, {"g": encode_group(group("g0")), "i": "g0", "r": "1"})
+    assert buf.read(10, block_ms=0, consumer="L") == []
+    st = buf.stats()
+    assert st["dropped"] == {"duplicate": 1} and st["pending"] == 1  # the original, pending again
+    assert buf.commit([(eid, "g0")], step=1, consumer="L") == 1
+    assert c.xlen(buf.keys.stream) == 0
+
+
+def test_commit_deletes_an_entry_whose_delivery_was_lost_only_if_it_is_the_same_group(buf):
+    buf.add_group(group("g0"))
+    buf.add_group(group("g1"))
+    got = buf.read(2, consumer="L")
+    c = buf.endpoint.client
+    c.xgroup_setid(buf.keys.stream, buf.consumer_group, "0")
+    c.xack(buf.keys.stream, buf.consumer_group, *[e for e, _ in got])  # deliveries "lost"
+    (e0, _), (e1, _) = got
+    assert buf.commit([(e0, "g0"), (e1, "not-g1")], step=1, consumer="L") == 1
+    assert [x[0].decode() for x in c.xrange(buf.keys.stream)] == [e1]  # a wrong pair deletes nothing
+
+
+def test_metrics_follow_buffer_operations(buf):
+    from areal_like import metrics as M
+
+    def val(m, **labels):
+        return (m.labels(**labels) if labels else m)._value.get()
+
+    added0, consumed0 = val(M.BUFFER_ADDED), val(M.BUFFER_CONSUMED)
+    kept0, stale0 = val(M.BUFFER_STALE_KEPT), val(M.BUFFER_DROPPED, reason="stale")
+    for v in range(3):
+        buf.add_group(group(f"v{v}", version=v))
+    got = buf.read(2, consumer="L")
+    buf.filter_stale(got[:1], 2, 0, policy="keep")
+    buf.filter_stale(got[1:], 2, 0, policy="drop")
+    time.sleep(0.05)
+    st = buf.refresh_metrics()
+    assert val(M.BUFFER_ADDED) - added0 == 3 and val(M.BUFFER_CONSUMED) - consumed0 == 2
+    assert val(M.BUFFER_STALE_KEPT) - kept0 == 1 and val(M.BUFFER_DROPPED, reason="stale") - stale0 == 1
+    assert val(M.BUFFER_DEPTH) == st["depth"] == 1 and val(M.BUFFER_PENDING) == st["pending"] == 1
+    assert val(M.BUFFER_OLDEST_AGE) == st["oldest_age_s"] >= 0.04
+
+
+# ---- security ------------------------------------------------------------------------------------
+def test_valid_msgpack_of_the_wrong_shape_is_counted_and_skipped(buf):
+    import msgspec
+
+    from areal_like.api.trajectory import encode_group
+
+    c = buf.endpoint.client
+    c.xadd(buf.keys.stream, {"g": msgspec.msgpack.encode({"group_id": "x", "rm -rf": 1})})  # foreign shape
+    bad = group("bad-lengths")
+    bad.trajectories[0].logprobs = b"\x00" * 3  # decodes, fails validate(): arrays disagree
+    c.xadd(buf.keys.stream, {"g": encode_group(bad), "i": "bad-lengths"})
+    c.xadd(buf.keys.stream, {"g": b"\xc1" * 10_000})  # msgpack "never used" bytes
+    buf.add_group(group("ok"))
+    assert [g.group_id for _, g in buf.read(10, consumer="L")] == ["ok"]
+    assert buf.stats()["dropped"] == {"malformed": 3}
+
+
+def test_remote_plain_url_warns_and_server_binds_loopback_by_default(tmp_path, caplog, monkeypatch):
+    from areal_like.buffer.redis_client import check_url_security
+
+    monkeypatch.delenv("AREAL_LIKE_REDIS_PASSWORD", raising=False)
+    assert check_url_security("redis://:pw@127.0.0.1:6379/0") == []
+    assert check_url_security("rediss://:pw@redis.example:6380/0") == []
+    w = check_url_security("redis://redis.example:6379/0", "AREAL_LIKE_REDIS_PASSWORD")
+    assert len(w) == 2 and "use rediss://" in w[0] and "no password" in w[1]
+    with caplog.at_level("WARNING"):
+        RedisEndpoint("redis://:pw@10.1.2.3:6379/0")
+    assert "clear text" in caplog.text and "pw@" not in caplog.text
+    srv = RedisServer(tmp_path)
+    assert srv.host == "127.0.0.1" and len(srv.password) >= 24 and srv.password not in srv.safe_url
+
+
+def test_oom_under_noeviction_is_back_pressure_not_a_crash(tmp_path):
+    n_tok = 60_000  # ~0.8 MB per group
+    big = group("big")
+    t = big.trajectories[0]
+    t.input_ids, t.loss_mask, t.logprobs, t.versions = (b"\x00" * (4 * n_tok), b"\x00" * n_tok,
+                                                        b"\x00" * (4 * n_tok), b"\x00" * (4 * n_tok))
+    with RedisServer(tmp_path / "r", maxmemory="12mb") as srv:
+        b = ReplayBuffer(srv.url, stream="oom", block_ms=100, max_groups=0, add_poll_s=0.02)
+        import msgspec
+
+        n = 0
+        with pytest.raises(BufferFullTimeout, match="Redis refused the write: OOM"):
+            for n in range(20):
+                b.add_group(msgspec.structs.replace(big, group_id=f"big{n}"), timeout_s=0.3)
+        assert 1 <= n < 20
+        assert b.stats()["added"] == n  # every accepted group is there; the refused one is not
+        b.close()

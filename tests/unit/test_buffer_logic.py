@@ -114,7 +114,7 @@ def _closed_port() -> int:
 def test_unreachable_redis_error_names_peer_key_and_operation_not_password():
     port = _closed_port()
     ep = RedisEndpoint(f"redis://:hunter2@127.0.0.1:{port}/0", retries=2, backoff_base_s=0.001,
-                       connect_timeout_s=0.5, socket_timeout_s=1.0)
+                       connect_timeout_s=0.5, socket_timeout_s=1.0, reconnect_timeout_s=0)
 
     def op():
         return (yield Call.one("get policy version", "{x}:version", Cmd("get", ("{x}:version",)), idempotent=True))
@@ -143,7 +143,7 @@ def test_non_idempotent_calls_are_not_retried():
 async def test_async_driver_reports_the_same_way():
     port = _closed_port()
     ep = RedisEndpoint(f"redis://:pw@127.0.0.1:{port}/0", retries=1, backoff_base_s=0.001,
-                       connect_timeout_s=0.5, socket_timeout_s=1.0)
+                       connect_timeout_s=0.5, socket_timeout_s=1.0, reconnect_timeout_s=0)
 
     def op():
         return (yield Call.one("gate state", "{x}:running", Cmd("get", ("k",)), idempotent=True))
@@ -180,7 +180,7 @@ def test_a_peer_that_never_answers_times_out_naming_it():
     try:
         buf = ReplayBuffer(f"redis://127.0.0.1:{port}/0", stream="s", block_ms=0,
                            endpoint=RedisEndpoint(f"redis://127.0.0.1:{port}/0", socket_timeout_s=1.2,
-                                                  retries=0))
+                                                  retries=0, reconnect_timeout_s=0))
         t0 = time.monotonic()
         with pytest.raises(RedisCallTimeout, match=rf"127\.0\.0\.1:{port}/0 key \{{s\}}:version: get policy version"):
             buf.get_version()
