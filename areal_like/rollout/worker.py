@@ -53,8 +53,9 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                             apply_chat_template=cfg.data.apply_chat_template)
     prompts = dataset.iterate(seed=cfg.seed, shuffle=cfg.data.shuffle, shard=index, num_shards=n_workers)
     buffer = ReplayBuffer.from_config(cfg.buffer, url=redis_url)
+    # One Redis endpoint for both: a Redis restart is noticed once and recovered in one fixed order.
     gate = StalenessGate.from_config(cfg.buffer, url=redis_url, batch_size=cfg.train.batch_size,
-                                     max_staleness=cfg.rollout.max_staleness)
+                                     max_staleness=cfg.rollout.max_staleness, endpoint=buffer.endpoint)
     reward_fn = RewardFn(cfg.custom_reward_function)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,8 +124,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
             t.cancel()
         await asyncio.gather(*inflight, return_exceptions=True)
     await reward_fn.close()
-    await buffer.aclose()
-    await gate.aclose()
+    await buffer.aclose()  # closes the endpoint the gate shares
     return 0
 
 

@@ -71,12 +71,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("eta,workers", [(0, 1), (0, 2), (2, 2)])
-def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, workers):
+@pytest.mark.parametrize("eta,workers,learner", [(0, 1, "d1p1t1"), (0, 2, "d1p1t1"), (2, 2, "d1p1t1"),
+                                                 (1, 1, "d2p1t1")])
+def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, workers, learner):
     run_dir = tmp_path / "run"
     steps = 4
     proc = _launch(run_dir, demo_assets, f"rollout.max_staleness={eta}", f"rollout.workers={workers}",
-                   f"train.total_steps={steps}", "train.batch_size=2", "generation.n=4")
+                   f"train.total_steps={steps}", "train.batch_size=2", "generation.n=4",
+                   allocation=f"embedded.d1p1t1+{learner}")
     rc, out = _finish(proc)
     assert rc == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -94,6 +96,9 @@ def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, worker
     assert all(0 <= r["staleness_max"] <= eta for r in rows)
     for key in ("step", "version", "reward_mean", "staleness_max", "samples", "step_s", "push_s"):
         assert key in rows[0]
+    if learner == "d2p1t1":  # a two-rank pool: both ranks ran, and both are gone afterwards
+        assert {"learner", "learner1"} <= set(json.loads((run_dir / "pids.json").read_text())["roles"])
+        assert (run_dir / "logs" / "learner1.log").exists()
     targets = json.loads((run_dir / "prometheus_targets.json").read_text())
     assert {t["labels"]["role"] for t in targets} >= {"server0", "learner", "rollout0"}
     _assert_all_gone(run_dir)
