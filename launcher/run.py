@@ -108,16 +108,17 @@ def _read_metrics(path: str) -> list[dict]:
     return out
 
 
-def summarize(rows: list[dict], max_staleness: int, wall_s: float) -> dict:
+def summarize(rows: list[dict], max_staleness: int, wall_s: float, new_rows: list[dict] | None = None) -> dict:
     """summary.json. reward_first/last average the first/last min(5, steps) steps (one step is noisy).
 
     After a learner restart the steps since its checkpoint are trained again: the last row of each
     step is the one the final model contains.
     """
     rows = list({r["step"]: r for r in rows}.values())
+    new_rows = rows if new_rows is None else new_rows  # what this launch trained (a resumed run appends)
     rewards = [r["reward_mean"] for r in rows if r.get("samples")]  # steps that trained on something
     k = min(5, len(rewards))
-    samples = sum(r.get("samples", 0) for r in rows)
+    samples = sum(r.get("samples", 0) for r in new_rows)
     return {
         "steps": len(rows),
         "final_version": rows[-1]["version"] if rows else 0,
@@ -254,6 +255,7 @@ class Run:
     def execute(self) -> int:
         t0 = time.monotonic()
         rc = 1
+        self._rows_before = len(_read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))  # a resumed run appends
         prev_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._prepare_assets()
@@ -296,7 +298,8 @@ class Run:
             for s, h in prev_handlers.items():
                 signal.signal(s, h)
             rows = _read_metrics(os.path.join(self.run_dir, "metrics.jsonl"))
-            summary = summarize(rows, self.cfg.rollout.max_staleness, time.monotonic() - t0)
+            summary = summarize(rows, self.cfg.rollout.max_staleness, time.monotonic() - t0,
+                                new_rows=rows[self._rows_before:])
             summary["exit_reason"] = self._stop_reason or ("completed" if rc == 0 else "failed")
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
@@ -385,8 +388,15 @@ class Run:
             time.sleep(0.2)
 
     def _shutdown(self) -> None:
-        # Rollouts first (no new work), then the learner (it commits what it has), then servers, Redis.
-        self.procs.stop_all(order=["rollout", "learner", "server"], timeout_s=15.0)
+        # Rollouts first (no new work), then the learner (it checkpoints and commits), servers, Redis.
+        for role in [r for r in self.procs.roles if r.name.startswith("rollout")]:
+            self.procs.stop(role, timeout_s=15.0)
+        # Rank 0 first: it tells the other ranks to stop (they would wait for it otherwise), then all
+        # ranks checkpoint together; the other ranks normally exit on their own meanwhile.
+        ranks = sorted((r for r in self.procs.roles if r.name.startswith("learner")), key=lambda r: r.name != "learner")
+        for role in ranks:
+            self.procs.stop(role, timeout_s=self.cfg.launcher.stop_timeout_s)
+        self.procs.stop_all(timeout_s=15.0)  # servers and anything left
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None

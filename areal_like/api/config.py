@@ -153,6 +153,8 @@ class LauncherConfig(_Section):
     max_learner_restarts: int = 0
     """A learner rank that dies restarts the whole pool from its latest checkpoint (train.save_freq > 0)
     up to this many times; servers, rollouts and Redis keep running. 0 = a dead learner ends the run."""
+    stop_timeout_s: float = 60.0
+    """On Ctrl-C/stop, how long the learner may take to finish its step, checkpoint and commit."""
 
 
 class MetricsConfig(_Section):

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 
@@ -72,11 +73,15 @@ class _Rank0:
         if self.redo:
             _log(f"recovered {len(self.redo)} entr(ies) read but not covered by a checkpoint: training them first")
 
-    def fetch(self, B: int, version: int) -> tuple[list, list, int]:
+    def fetch(self, B: int, version: int, stopping) -> tuple[list, list, int] | None:
         """Exactly B entries, drops included: the gate admits (η+v+1)·B groups in total, so taking
-        more than B per version to replace dropped ones would starve the producers."""
+        more than B per version to replace dropped ones would starve the producers.
+
+        None when asked to stop meanwhile: what was read stays pending and is recovered next time."""
         entries, groups, n_dropped = [], [], 0
         while len(entries) + n_dropped < B:
+            if stopping():
+                return None
             want = B - len(entries) - n_dropped
             got = [self.redo.pop(0) for _ in range(min(want, len(self.redo)))]
             if not got:
@@ -136,12 +141,23 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
              f"layout {learner.layout.spec}, servers={endpoints['servers']}")
     B = cfg.train.batch_size
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    # SIGTERM/SIGINT (launcher stop, Ctrl-C): rank 0 finishes the step in hand, tells the other
+    # ranks, and every rank checkpoints and commits before exiting. Other ranks wait for rank 0's word.
+    stop_requested = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop_requested.append(True))
+    last_saved, step, stopped = start_step, start_step, False
 
     for step in range(start_step + 1, cfg.train.total_steps + 1):
         # ---- fetch (rank 0) and share --------------------------------------------------------
         t_fetch = time.monotonic()
-        ids, groups, n_dropped = r0.fetch(B, version) if r0 is not None else ([], None, 0)
-        groups, version = broadcast_groups(groups, version, learner.layout)
+        fetched = r0.fetch(B, version, lambda: bool(stop_requested)) if r0 is not None else ([], None, 0)
+        ids, groups, n_dropped = fetched if fetched is not None else ([], [], 0)
+        groups, shared_version = broadcast_groups(groups, version if fetched is not None else _STOP, learner.layout)
+        if shared_version == _STOP:
+            step, stopped = step - 1, True  # this step never ran
+            break
+        version = shared_version
         fetch_s = time.monotonic() - t_fetch
 
         # ---- train (every rank) ---------------------------------------------------------------
@@ -164,11 +180,8 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
             if r0 is not None:
                 r0.commit(step)
         elif ckpt.should_save(step) or step == cfg.train.total_steps:
-            extra_out = {"step": step, "version": version,
-                         "uncommitted": [list(p) for p in r0.uncommitted] if r0 is not None else []}
-            ckpt.save(learner, step, extra_out)  # collective; atomic
-            if r0 is not None:
-                r0.commit(step)
+            _checkpoint_and_commit(ckpt, learner, r0, step, version)
+            last_saved = step
 
         # ---- report (rank 0) ------------------------------------------------------------------
         if r0 is not None:
@@ -195,11 +208,30 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
             M.TRAINED_TOKENS.inc(stats["loss_tokens"])
             r0.buffer.refresh_metrics()
 
+    if stopped:
+        if ckpt.save_freq > 0 and step > last_saved:
+            _checkpoint_and_commit(ckpt, learner, r0, step, version)
+        if r0 is not None:
+            _log(f"stopped after step {step} (version {version})"
+                 + ("; checkpoint saved and committed" if ckpt.save_freq > 0 else ""))
     if r0 is not None:
         await r0.pusher.close()
         r0.buffer.close()
-        _log(f"done: {cfg.train.total_steps} steps, final version {version}")
+        if not stopped:
+            _log(f"done: {cfg.train.total_steps} steps, final version {version}")
     return 0
+
+
+_STOP = -(2**62)  # a version no run reaches: rank 0's "stop now" to the other ranks
+
+
+def _checkpoint_and_commit(ckpt, learner, r0, step: int, version: int) -> None:
+    """Save (collective, atomic), then commit exactly the entries the checkpoint covers."""
+    extra_out = {"step": step, "version": version,
+                 "uncommitted": [list(p) for p in r0.uncommitted] if r0 is not None else []}
+    ckpt.save(learner, step, extra_out)
+    if r0 is not None:
+        r0.commit(step)
 
 
 def _empty_stats() -> dict:

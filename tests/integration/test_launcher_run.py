@@ -155,9 +155,10 @@ def _assert_every_role_serves_metrics(run_dir):
     assert float(line.split()[1]) >= 1
 
 
-def test_sigint_stops_everything(tmp_path, demo_assets):
+def test_sigint_checkpoints_and_stops_everything(tmp_path, demo_assets):
+    """Ctrl-C: rollouts stop, the learner finishes its step, checkpoints and commits, all roles end."""
     run_dir = tmp_path / "run"
-    proc = _launch(run_dir, demo_assets, "train.total_steps=1000")
+    proc = _launch(run_dir, demo_assets, "train.total_steps=1000", "train.save_freq=500")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -166,6 +167,11 @@ def test_sigint_stops_everything(tmp_path, demo_assets):
     rc, out = _finish(proc, timeout=120)
     assert rc == 130, out[-3000:]
     _assert_all_gone(run_dir)
+    last_step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert last_step < 500  # so the checkpoint below can only come from the stop
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{last_step:08d}", (latest, last_step)
+    assert "checkpoint saved and committed" in (run_dir / "logs" / "learner.log").read_text()
 
 
 def test_bad_config_key_fails_before_starting(tmp_path):
