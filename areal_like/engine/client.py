@@ -14,6 +14,20 @@ The interruptible loop — a weight-update pause aborts requests with their part
 Each token records the version of the reply that carried it, so tokens before a weight update keep
 the old version and later ones the new. Connection errors are retried with backoff; HTTP errors
 and timeouts are not (they name the server). This module knows nothing of rewards or trajectories.
+
+Health — every server is UP or DOWN; routing (least loaded, sticky keys) only picks UP servers:
+```
+ UP ──connection fails after the retries, or /health fails──► DOWN   (in-flight attempts there are
+  ▲   (probe: refused at once; timeout/5xx twice in a row)      │     cancelled and failed over)
+  └────────────── background probe: GET /health answers 200 ◄───┘
+```
+Failover continues a request like the interruptible loop, on another UP server: prompt + tokens so
+far, max_new_tokens reduced, the tokens already held keep their versions (`num_failovers` counts it;
+the rid gets a `.f<k>` suffix so a server that comes back holding the old attempt never sees a
+duplicate rid). With no UP server, generate waits up to `down_wait_s` for the probe to bring one
+back, then fails naming every server and its last error. Requests pinned with `server=` never fail
+over. The probe skips servers that answered a request within the last interval (proof of life, and
+SGLang's /health costs a generated token).
 """
 
 from __future__ import annotations
@@ -29,13 +43,31 @@ from typing import Any
 
 import aiohttp
 import msgspec
-import msgspec
 
 log = logging.getLogger(__name__)
 
 
 class GenerationError(RuntimeError):
     """A generation call failed; the message names the server."""
+
+
+class ServerDownError(GenerationError):
+    """A server could not be reached (after the retries) or was marked DOWN while a call was on it."""
+
+    def __init__(self, url: str, message: str):
+        super().__init__(message)
+        self.url = url
+
+
+@dataclass
+class _ServerState:
+    up: bool = True  # servers start UP: the launcher waits for /health before rollouts start
+    last_error: str | None = None
+    since: float = field(default_factory=time.time)  # wall clock of the last UP/DOWN transition
+    probe_failures: int = 0  # consecutive /health failures that were not a refused connection
+    last_ok: float = 0.0  # monotonic time of the last successful reply (the probe skips fresh ones)
+    # generate attempts on this server, cancelled when it goes DOWN so they fail over at once
+    attempts: set = field(default_factory=set)
 
 
 @dataclass
@@ -50,6 +82,7 @@ class GenerationResult:
     latency_s: float = 0.0
     matched_stop: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    num_failovers: int = 0  # times the request moved to another server because its server went DOWN
 
 
 def parse_reply(reply: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
@@ -69,7 +102,12 @@ def parse_reply(reply: dict[str, Any]) -> tuple[list[int], list[float], dict[str
 class GenerationClient:
     def __init__(self, server_urls: list[str], *, request_timeout_s: float = 120, connect_timeout_s: float = 10,
                  api_key: str | None = None, max_connection_retries: int = 4, retry_backoff_s: float = 0.5,
-                 max_interruptions: int = 1000, sticky_keys: int = 100_000):
+                 max_interruptions: int = 1000, sticky_keys: int = 100_000, health_interval_s: float | None = 2.0,
+                 health_timeout_s: float = 5.0, health_failures_to_down: int = 2, down_wait_s: float | None = None,
+                 max_failovers: int = 100):
+        """`health_interval_s` None/0 disables the probe (then DOWN servers never come back and generate
+        fails at once when none is UP). `down_wait_s`: how long generate waits for an UP server when
+        none is left (default `request_timeout_s`)."""
         if not server_urls:
             raise ValueError("GenerationClient needs at least one server URL")
         self.server_urls = [u.rstrip("/") for u in server_urls]
@@ -78,9 +116,18 @@ class GenerationClient:
         self.max_connection_retries = max_connection_retries
         self.retry_backoff_s = retry_backoff_s
         self.max_interruptions = max_interruptions
+        self.health_interval_s = health_interval_s or 0.0
+        self.health_timeout_s = health_timeout_s
+        self.health_failures_to_down = max(1, health_failures_to_down)
+        self.down_wait_s = request_timeout_s if down_wait_s is None else down_wait_s
+        self.max_failovers = max_failovers
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
+        self._probe_task: asyncio.Task | None = None
         self.inflight: dict[str, int] = {u: 0 for u in self.server_urls}
+        self._state: dict[str, _ServerState] = {u: _ServerState() for u in self.server_urls}
+        self._any_up = asyncio.Event()  # set by every DOWN → UP transition; waiters re-check the states
+        self._dropped: set[asyncio.Future] = set()  # attempts cancelled because their server went DOWN
         self._sticky: OrderedDict[str, str] = OrderedDict()  # key → server, LRU-bounded
         self._sticky_max = sticky_keys
         self._rr = itertools.count()
@@ -94,6 +141,13 @@ class GenerationClient:
         return self
 
     async def close(self) -> None:
+        task, self._probe_task = self._probe_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -107,25 +161,96 @@ class GenerationClient:
     def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total or self.request_timeout_s, connect=self.connect_timeout_s)
 
+    # ---------------------------------------------------------------- health state
+    def server_states(self) -> dict[str, dict[str, Any]]:
+        """url → {"up", "inflight", "last_error", "since" (wall-clock time of the last transition)}."""
+        return {u: {"up": st.up, "inflight": self.inflight.get(u, 0), "last_error": st.last_error,
+                    "since": st.since} for u, st in self._state.items()}
+
+    def mark_down(self, url: str, error: str) -> None:
+        """Routing skips `url` from now on; generate attempts running there fail over. Idempotent."""
+        st = self._state.get(url)
+        if st is None:  # a server outside the routing set (generate(server=…)): nothing to track
+            return
+        st.last_error = error
+        st.probe_failures = 0
+        if not st.up:
+            return
+        st.up, st.since = False, time.time()
+        log.warning("generation server %s is DOWN: %s", url, error)  # once per transition
+        try:
+            me = asyncio.current_task()
+        except RuntimeError:  # no running loop (routing unit tests): nothing can be in flight
+            me = None
+        for fut in list(st.attempts):
+            if not fut.done() and fut is not me:  # `me` is raising ServerDownError itself
+                self._dropped.add(fut)
+                fut.cancel()
+
+    def mark_up(self, url: str) -> None:
+        st = self._state.get(url)
+        if st is None:
+            return
+        st.probe_failures = 0
+        if st.up:
+            return
+        st.up, st.since = True, time.time()
+        log.warning("generation server %s is UP again (was down: %s)", url, st.last_error)
+        self._any_up.set()
+
+    def _down_report(self) -> str:
+        return "; ".join(f"{u}: {'up' if st.up else 'DOWN'} (last error: {st.last_error or 'none'})"
+                         for u, st in self._state.items())
+
     # ---------------------------------------------------------------- routing
     def pick_server(self, key: str | None = None) -> str:
-        if key is not None and key in self._sticky:
-            self._sticky.move_to_end(key)
-            return self._sticky[key]
-        low = min(self.inflight.values())
-        cands = [u for u in self.server_urls if self.inflight[u] == low]
+        """Least in-flight UP server; a key sticks to its server while that server stays UP, and is
+        re-routed (and re-stuck) when it goes DOWN. Raises ServerDownError when no server is UP."""
+        state = self._state
+        if key is not None:
+            url = self._sticky.get(key)
+            if url is not None and state[url].up:
+                self._sticky.move_to_end(key)
+                return url
+        up = [u for u in self.server_urls if state[u].up]
+        if not up:
+            raise ServerDownError(",".join(self.server_urls), f"no generation server is up: {self._down_report()}")
+        inflight = self.inflight
+        low = min(inflight[u] for u in up)
+        cands = [u for u in up if inflight[u] == low]
         url = cands[next(self._rr) % len(cands)]
         if key is not None:
             self._sticky[key] = url
+            self._sticky.move_to_end(key)
             if len(self._sticky) > self._sticky_max:
                 self._sticky.popitem(last=False)
         return url
 
+    async def _route(self, key: str | None, doing: str) -> str:
+        """pick_server, waiting up to down_wait_s for the probe to bring a server back when none is UP."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.down_wait_s
+        while True:
+            if any(st.up for st in self._state.values()):
+                return self.pick_server(key)
+            left = deadline - loop.time()
+            if left <= 0 or self._probe_task is None or self._probe_task.done():
+                waited = f"after waiting {self.down_wait_s:.0f}s " if self._probe_task is not None else ""
+                raise ServerDownError(",".join(self.server_urls),
+                                      f"{doing}: no generation server came back {waited}— {self._down_report()}")
+            self._any_up.clear()
+            try:
+                await asyncio.wait_for(self._any_up.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
     # ---------------------------------------------------------------- HTTP
     async def _request(self, method: str, url: str, path: str, body: dict | None = None,
                        timeout_s: float | None = None) -> Any:
-        """One HTTP call; connection errors are retried with exponential backoff, nothing else is."""
+        """One HTTP call; connection errors are retried with exponential backoff, nothing else is.
+        Retries stop early when the server is marked DOWN meanwhile; exhausting them marks it DOWN."""
         self._session_or_start()
+        st = self._state.get(url)
         attempt = 0
         while True:
             try:
@@ -135,15 +260,22 @@ class GenerationClient:
                         raise GenerationError(f"{url}{path} returned HTTP {r.status}: {text[:500]}")
                     ctype = r.headers.get("Content-Type", "")
                     # msgspec: ~10-20 µs less per call than aiohttp's json() on the rollout hot path
-                    return msgspec.json.decode(await r.read()) if "json" in ctype else await r.text()
+                    out = msgspec.json.decode(await r.read()) if "json" in ctype else await r.text()
+                    if st is not None:
+                        st.last_ok = time.monotonic()
+                    return out
             except aiohttp.ClientConnectionError as e:
                 attempt += 1
+                err = f"{method} {url}{path}: connection failed {attempt} times: {type(e).__name__}: {e}"
                 if attempt > self.max_connection_retries:
-                    raise GenerationError(f"{url}{path}: connection failed {attempt} times: "
-                                          f"{type(e).__name__}: {e}") from e
+                    self.mark_down(url, err)
+                    raise ServerDownError(url, err) from e
+                if st is not None and not st.up:  # someone else already found it down: stop hammering
+                    raise ServerDownError(url, f"{err} (server marked down: {st.last_error})") from e
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             except asyncio.TimeoutError as e:
-                raise GenerationError(f"{url}{path} timed out after {timeout_s or self.request_timeout_s:.0f}s") from e
+                raise GenerationError(f"{method} {url}{path} timed out after "
+                                      f"{timeout_s or self.request_timeout_s:.0f}s") from e
 
     async def model_info(self, url: str) -> dict[str, Any]:
         return await self._request("GET", url.rstrip("/"), "/model_info")
@@ -165,6 +297,7 @@ class GenerationClient:
                     async with self._session_or_start().get(url + "/health", timeout=self._timeout(5)) as r:
                         if r.status == 200:
                             pending.discard(url)
+                            self.mark_up(url)
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     pass
             if pending:
@@ -176,22 +309,81 @@ class GenerationClient:
         if self._session is None:
             # limit=0: no pool cap — the rollout worker's concurrency bound is the staleness gate.
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
+        if self._probe_task is None and self.health_interval_s > 0:
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop(), name="generation-health")
         return self._session
+
+    # ---------------------------------------------------------------- health probe
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            now = time.monotonic()
+            # An UP server that answered a request within the last interval is alive: skip it.
+            due = [u for u, st in self._state.items() if not st.up or now - st.last_ok > self.health_interval_s]
+            if due:
+                try:
+                    await asyncio.gather(*(self._probe(u) for u in due))
+                except Exception:  # a probe bug must not silently end health tracking
+                    log.exception("generation health probe failed; probing again in %gs", self.health_interval_s)
+
+    async def _probe(self, url: str) -> None:
+        st = self._state[url]
+        try:
+            async with self._session.get(url + "/health", timeout=aiohttp.ClientTimeout(
+                    total=self.health_timeout_s, connect=min(self.connect_timeout_s, self.health_timeout_s))) as r:
+                await r.read()
+                if r.status == 200:
+                    self.mark_up(url)
+                    return
+                err, decisive = f"GET {url}/health returned HTTP {r.status}", False
+        except aiohttp.ClientConnectorError as e:  # nobody listens: no need to ask twice
+            err, decisive = f"GET {url}/health: cannot connect: {type(e).__name__}: {e}", True
+        except aiohttp.ClientError as e:
+            err, decisive = f"GET {url}/health failed: {type(e).__name__}: {e}", False
+        except asyncio.TimeoutError:
+            err, decisive = f"GET {url}/health timed out after {self.health_timeout_s:g}s", False
+        if not st.up:
+            st.last_error = err
+            return
+        st.probe_failures += 1
+        if decisive or st.probe_failures >= self.health_failures_to_down:
+            self.mark_down(url, err)
+
+    async def _attempt(self, url: str, body: dict) -> Any:
+        """One /generate call that a DOWN transition of its server cancels (→ ServerDownError)."""
+        st = self._state.get(url)
+        if st is None:
+            return await self._request("POST", url, "/generate", body)
+        fut = asyncio.ensure_future(self._request("POST", url, "/generate", body))
+        st.attempts.add(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # ours only if mark_down cancelled it and nobody is cancelling the caller
+            if fut in self._dropped and not asyncio.current_task().cancelling():
+                raise ServerDownError(url, f"POST {url}/generate: server marked down while generating: "
+                                           f"{st.last_error}") from None
+            raise
+        finally:
+            st.attempts.discard(fut)
+            self._dropped.discard(fut)
 
     # ---------------------------------------------------------------- generate
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
                        sampling_seed: int | None = None, ignore_eos: bool = False, rid: str | None = None,
                        key: str | None = None, server: str | None = None) -> GenerationResult:
-        """Generate until stop/length, resubmitting across weight-update aborts (see module doc)."""
+        """Generate until stop/length, resubmitting across weight-update aborts and failing over to
+        another server when this one goes down (see module doc)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
-        url = server.rstrip("/") if server else self.pick_server(key)
         rid = rid or uuid.uuid4().hex
+        pinned = server is not None
+        url = server.rstrip("/") if pinned else await self._route(key, f"generate rid={rid}")
         out_ids: list[int] = []
         out_lps: list[float] = []
         out_vers: list[int] = []
-        interruptions = 0
+        interruptions = failovers = 0
         t0 = time.perf_counter()
         self.inflight[url] = self.inflight.get(url, 0) + 1
         try:
@@ -206,8 +398,22 @@ class GenerationClient:
                 if ignore_eos:
                     sp["ignore_eos"] = True
                 body = {"input_ids": list(input_ids) + out_ids, "sampling_params": sp, "return_logprob": True,
-                        "rid": rid}
-                reply = await self._request("POST", url, "/generate", body)
+                        "rid": f"{rid}.f{failovers}" if failovers else rid}
+                try:
+                    reply = await self._attempt(url, body)
+                except ServerDownError as e:
+                    if pinned or failovers >= self.max_failovers:
+                        raise
+                    doing = (f"generate rid={rid} failing over from {url} with {len(out_ids)}/{max_new_tokens} "
+                             f"tokens ({e})")
+                    new_url = await self._route(key, doing)
+                    failovers += 1
+                    log.info("rid=%s: %s went down after %d/%d tokens; continuing on %s", rid, url, len(out_ids),
+                             max_new_tokens, new_url)
+                    self.inflight[url] -= 1
+                    self.inflight[new_url] = self.inflight.get(new_url, 0) + 1
+                    url = new_url
+                    continue
                 if isinstance(reply, list):
                     reply = reply[0]
                 ids, lps, meta = parse_reply(reply)
@@ -232,7 +438,8 @@ class GenerationClient:
                 return GenerationResult(output_ids=out_ids, output_logprobs=out_lps, output_versions=out_vers,
                                         finish_reason=ftype, server=url, num_interruptions=interruptions,
                                         prompt_tokens=len(input_ids), latency_s=time.perf_counter() - t0,
-                                        matched_stop=fr.get("matched") if isinstance(fr, dict) else None)
+                                        matched_stop=fr.get("matched") if isinstance(fr, dict) else None,
+                                        num_failovers=failovers)
         finally:
             self.inflight[url] -= 1
 

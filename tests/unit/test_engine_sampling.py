@@ -120,7 +120,7 @@ async def test_client_connection_errors_are_retried_then_name_the_server():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    async with GenerationClient([url], max_connection_retries=2, retry_backoff_s=0.01) as c:
+    async with GenerationClient([url], max_connection_retries=2, retry_backoff_s=0.01, down_wait_s=0) as c:
         try:
             await c.generate([1, 2], max_new_tokens=2)
         except GenerationError as e:
