@@ -66,6 +66,10 @@ class WeightReceiver:
         self.device = torch.device(device)
         self.num_devices = num_devices  # this server's ranks in the group (1: no tensor parallel here)
         self.groups: dict[str, WeightGroup] = {}
+        # One grow-only receive buffer per group: fresh multi-MiB buffers per bucket cost page faults
+        # and zeroing while the trainer waits. Reuse is safe: one bucket is in flight at a time and
+        # the engine copies the tensors out before the server replies to that bucket.
+        self._bufs: dict[str, torch.Tensor] = {}
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> WeightGroup:
@@ -89,7 +93,11 @@ class WeightReceiver:
         # gloo moves host memory; the engine's load copies to the model's device afterwards.
         device = torch.device("cpu") if group.backend == "gloo" else self.device
         if load_format == "flattened_bucket":
-            buf = torch.empty(bucket_nbytes(dts, shapes), dtype=torch.uint8, device=device)
+            nbytes = bucket_nbytes(dts, shapes)
+            big = self._bufs.get(group_name)
+            if big is None or big.numel() < nbytes or big.device != device:
+                big = self._bufs[group_name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = big[:nbytes]
             group.broadcast(buf, 0, what=f"a flattened bucket of {len(names)} tensors ({buf.numel()} bytes)")
             return unflatten_bucket(buf, names, dts, shapes)
         if load_format not in (None, "", "direct"):
@@ -103,6 +111,7 @@ class WeightReceiver:
 
     def destroy(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
+        self._bufs.pop(group_name, None)
         if group is None:
             raise ValueError(f"no weight group {group_name!r}")
         group.destroy()

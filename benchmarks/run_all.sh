@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run every benchmark script once, one after another (never in parallel: they would measure each
+# other), saving each full output and collecting the last lines (`name: value`).
+#
+#   benchmarks/run_all.sh [OUT_DIR]        (default: a new temp dir; printed at the end)
+#
+# Each script's load average (/proc/loadavg) before it starts and its wall time are recorded too,
+# because on a shared machine the figures move with the load.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${1:-$(mktemp -d -t areal_like_bench.XXXXXX)}
+mkdir -p "$OUT"
+SCRIPTS=(buffer_throughput client_overhead engine_vs_hf interrupt_cost learner_overhead weight_push)
+: > "$OUT/summary.txt"
+for s in "${SCRIPTS[@]}"; do
+    load=$(cut -d' ' -f1-3 /proc/loadavg)
+    start=$(date +%s)
+    echo "== $s (loadavg before: $load)"
+    "$PY" "benchmarks/$s.py" > "$OUT/$s.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    last=$(grep -v '^\s*$' "$OUT/$s.log" | tail -n 1)
+    echo "$s | rc $rc | ${secs}s | loadavg before $load | $last" | tee -a "$OUT/summary.txt"
+done
+echo "logs and summary in $OUT"
