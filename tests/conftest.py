@@ -126,3 +126,15 @@ def engine_servers(tmp_path_factory):
     finally:
         for s in started:
             s.stop()
+
+
+# ---- demo assets: the tiny demo model + parquet, built once per session (launcher run tests) ----
+@_pytest_engine.fixture(scope="session")
+def demo_assets(tmp_path_factory) -> tuple[str, str]:
+    """(model dir, train parquet) of the demo task, as `launcher run` builds them on first use."""
+    from areal_like.data.demo_task import ensure_demo_assets
+
+    d = tmp_path_factory.mktemp("assets")
+    model, data = str(d / "model"), str(d / "train.parquet")
+    ensure_demo_assets(model, data)
+    return model, data

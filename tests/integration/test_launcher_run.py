@@ -21,16 +21,6 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def demo_assets(tmp_path_factory):
-    from areal_like.data.demo_task import ensure_demo_assets
-
-    d = tmp_path_factory.mktemp("assets")
-    model, data = str(d / "model"), str(d / "train.parquet")
-    ensure_demo_assets(model, data)
-    return model, data
-
-
 def _launch(run_dir, assets, *overrides, allocation="embedded.d1p1t1+d1p1t1"):
     model, data = assets
     argv = [sys.executable, "-m", "launcher", "run", "--config", os.path.join(ROOT, "configs/demo.yaml"),

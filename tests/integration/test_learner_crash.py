@@ -27,16 +27,6 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def demo_assets(tmp_path_factory):
-    from areal_like.data.demo_task import ensure_demo_assets
-
-    d = tmp_path_factory.mktemp("assets")
-    model, data = str(d / "model"), str(d / "train.parquet")
-    ensure_demo_assets(model, data)
-    return model, data
-
-
 def _effective_history(trained_log: str) -> list[tuple[int, str]]:
     """(step, group id) pairs in the final model, from trained.jsonl."""
     incarnations: list[dict] = []
