@@ -291,7 +291,7 @@ class Run:
             print(f"launcher run: {e}", file=sys.stderr, flush=True)
             rc = 1
         except KeyboardInterrupt:
-            self._stop_reason = "interrupted"
+            self._stop_reason = self._stop_reason or "interrupted"
             rc = 130
         finally:
             self._shutdown()

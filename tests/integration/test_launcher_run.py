@@ -186,3 +186,28 @@ def test_unrunnable_allocations_fail_before_starting(tmp_path):
         assert words in proc.stderr, (alloc, proc.stderr)
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_status_and_stop_from_another_shell(tmp_path, demo_assets):
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, demo_assets, "train.total_steps=1000")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    for role in ("redis", "server0", "learner", "rollout0"):
+        assert any(line.startswith(role) and line.rstrip().endswith("running") for line in status.stdout.splitlines()), \
+            status.stdout
+    assert "step " in status.stdout
+    stop = subprocess.run([sys.executable, "-m", "launcher", "stop", "--run-dir", str(run_dir)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stderr
+    rc, out = _finish(proc, timeout=60)
+    assert rc == 130 and "stopped by SIGTERM" in out, out[-2000:]
+    _assert_all_gone(run_dir)
+    after = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert "running" not in after.stdout and "summary:" in after.stdout
