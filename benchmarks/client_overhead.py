@@ -27,61 +27,16 @@ import json
 import os
 import pstats
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 
 import aiohttp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from areal_like.engine.client import GenerationClient  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, log_path: str, max_batch: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_like.engine.server", "--model-path", model_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--torch-threads", "1", "--random-seed", "0", "--max-batch-size", str(max_batch),
-         "--log-level", "WARNING"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.terminate()
-    raise RuntimeError(f"server not healthy after 120s; log {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()  # our own child, by its Popen handle
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+from _common import start_server, stop_server  # first: puts the repository root on sys.path
+from areal_like.engine.client import GenerationClient
 
 
 async def run_pool(n_requests: int, concurrency: int, one) -> tuple[int, float, float]:

@@ -23,72 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import random
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, log_path: str, *args: str, threads: int = 1) -> tuple[subprocess.Popen, str]:
-    """An embedded server subprocess on a free loopback port, healthy; stop it with `stop_server`."""
-    port = free_port()
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(threads))
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_like.engine.server", "--model-path", model_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--torch-threads", str(threads), "--random-seed", "0", "--log-level", "WARNING",
-         *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    stop_server(proc)
-    raise RuntimeError(f"server not healthy after 120s; log {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()  # our own child, by its Popen handle
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-
-
-def build_model(out_dir: str, hidden: int, layers: int) -> str:
-    from areal_like.data.tiny_model import build_tiny_model
-
-    return build_tiny_model(out_dir, hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
-                            num_heads=4, num_kv_heads=2, max_position_embeddings=1024)
-
-
-def workload(n: int, seed: int, alpha: float, min_len: int, max_len: int, vocab: int):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(16, 48))] for _ in range(n)]
-    lengths = [min(max_len, int(min_len * rng.paretovariate(alpha))) for _ in range(n)]
-    lengths[rng.randrange(n)] = max_len  # the long tail is always there
-    return prompts, lengths
+from _common import add_long_tail_args, long_tail_setup, stop_server  # first: puts the repository root on sys.path
 
 
 async def run_engine(url: str, prompts, lengths) -> tuple[int, float]:
@@ -135,26 +73,12 @@ def run_hf(model_dir: str, prompts, lengths, threads: int) -> tuple[int, float, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--alpha", type=float, default=1.2, help="Pareto shape of the output lengths")
-    ap.add_argument("--min-len", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=384)
-    ap.add_argument("--seed", type=int, default=0)
+    add_long_tail_args(ap, requests=64, seed=0)
     args = ap.parse_args()
     import uvloop
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(os.path.join(tmp, "model"), args.hidden, args.layers)
-        from transformers import AutoTokenizer
-
-        vocab = len(AutoTokenizer.from_pretrained(model_dir))
-        prompts, lengths = workload(args.requests, args.seed, args.alpha, args.min_len, args.max_len, vocab)
-        ctx = max(len(p) for p in prompts) + max(lengths) + 8
-        proc, url = start_server(model_dir, os.path.join(tmp, "server.log"), "--max-batch-size",
-                                 str(args.requests), "--max-context-len", str(ctx), threads=args.threads)
+        model_dir, prompts, lengths, proc, url = long_tail_setup(tmp, args)
         try:
             uvloop.run(run_engine(url, prompts[:4], [4] * 4))  # warm-up
             e_tok, e_wall = uvloop.run(run_engine(url, prompts, lengths))

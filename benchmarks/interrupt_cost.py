@@ -24,19 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
-import sys
 import tempfile
 import time
 
 import aiohttp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_vs_hf import ROOT, build_model, start_server, stop_server, workload  # noqa: E402
-
-sys.path.insert(0, ROOT)
-from areal_like.engine.client import GenerationClient  # noqa: E402
+from _common import add_long_tail_args, long_tail_setup, stop_server  # first: puts the repository root on sys.path
+from areal_like.engine.client import GenerationClient
 
 
 async def counters(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -84,25 +79,13 @@ async def scenario(mode: str, url: str, model_dir: str, prompts, lengths, after:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=32)
+    add_long_tail_args(ap, requests=32, seed=1, length_shape=False)
     ap.add_argument("--after", type=float, default=0.4, help="seconds of generation before the update")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--max-len", type=int, default=384)
-    ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     import uvloop
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(os.path.join(tmp, "model"), args.hidden, args.layers)
-        from transformers import AutoTokenizer
-
-        vocab = len(AutoTokenizer.from_pretrained(model_dir))
-        prompts, lengths = workload(args.requests, args.seed, 1.2, 16, args.max_len, vocab)
-        ctx = max(len(p) for p in prompts) + max(lengths) + 8
-        proc, url = start_server(model_dir, os.path.join(tmp, "server.log"), "--max-batch-size",
-                                 str(args.requests), "--max-context-len", str(ctx), threads=args.threads)
+        model_dir, prompts, lengths, proc, url = long_tail_setup(tmp, args)
         try:
             res = {}
             for v, mode in enumerate(("interrupt", "drain"), start=1):

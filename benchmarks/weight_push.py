@@ -27,7 +27,6 @@ Usage: python benchmarks/weight_push.py [--hidden 1024 --intermediate 2816 --lay
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import subprocess
@@ -35,10 +34,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__ + "/.."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from engine_vs_hf import free_port, start_server, stop_server  # noqa: E402
+from _common import ROOT, child_env, free_port, start_server, stop_server
 
 HEADER_LEN = 256  # int64 slots of the raw group's per-round header: [n_buckets, size_0, size_1, …]
 
@@ -74,7 +70,7 @@ class RawGroup:
 
     def __init__(self, n: int, log_dir: str):
         self.port = free_port()
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        env = child_env(1, GLOO_SOCKET_IFNAME="lo")
         self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-receiver", str(r),
                                         "--raw-world", str(n + 1), "--raw-port", str(self.port)],
                                        stdout=open(os.path.join(log_dir, f"raw{n}_{r}.log"), "w"),
@@ -221,8 +217,8 @@ def main() -> None:
         try:
             for i in range(max(args.servers)):
                 # Small KV budget: the servers only receive weights here.
-                p, u = start_server(model_dir, os.path.join(tmp, f"server{i}.log"), "--max-batch-size", "4",
-                                    "--max-context-len", "64", threads=1)
+                p, u = start_server(model_dir, os.path.join(tmp, f"server{i}.log"), "--max-context-len", "64",
+                                    threads=1, max_batch=4)
                 procs.append(p)
                 urls.append(u)
             res = uvloop.run(measure(args, urls, weights, tmp))
