@@ -32,8 +32,6 @@ class AllocationError(ValueError):
         self.hint = hint
         super().__init__(message, source, self.column, hint)
 
-    def __reduce__(self) -> tuple[type[AllocationError], tuple[str, str, int, str]]:
-        return (type(self), (self.message, self.source, self.column, self.hint))
 
     def __str__(self) -> str:
         return (
