@@ -18,6 +18,8 @@ IDS_DTYPE = np.dtype("<i4")
 VERSIONS_DTYPE = np.dtype("<i4")
 LOGPROBS_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")
+_IDS_SIZE, _MASK_SIZE = IDS_DTYPE.itemsize, MASK_DTYPE.itemsize
+_LOGPROBS_SIZE, _VERSIONS_SIZE = LOGPROBS_DTYPE.itemsize, VERSIONS_DTYPE.itemsize
 
 
 class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -121,15 +123,19 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError(
                 f"trajectory {self.traj_id}: schema_version {self.schema_version}, this build reads {SCHEMA_VERSION}"
             )
-        n = self.num_tokens
-        sizes = {
-            "input_ids": len(self.input_ids) / IDS_DTYPE.itemsize,
-            "loss_mask": len(self.loss_mask) / MASK_DTYPE.itemsize,
-            "logprobs": len(self.logprobs) / LOGPROBS_DTYPE.itemsize,
-            "versions": len(self.versions) / VERSIONS_DTYPE.itemsize,
-        }
-        bad = {k: v for k, v in sizes.items() if v != n}
-        if bad:
+        # Hot path (every add and every read): plain integer arithmetic on the byte lengths; the
+        # per-array breakdown is built only for the error message.
+        nb = len(self.input_ids)
+        n = nb // _IDS_SIZE
+        if (nb != n * _IDS_SIZE or len(self.loss_mask) != n * _MASK_SIZE or len(self.logprobs) != n * _LOGPROBS_SIZE
+                or len(self.versions) != n * _VERSIONS_SIZE):
+            sizes = {
+                "input_ids": len(self.input_ids) / IDS_DTYPE.itemsize,
+                "loss_mask": len(self.loss_mask) / MASK_DTYPE.itemsize,
+                "logprobs": len(self.logprobs) / LOGPROBS_DTYPE.itemsize,
+                "versions": len(self.versions) / VERSIONS_DTYPE.itemsize,
+            }
+            bad = {k: v for k, v in sizes.items() if v != n}
             raise ValueError(f"trajectory {self.traj_id}: arrays disagree on length {n}: {bad}")
         if not 0 <= self.prompt_len <= n:
             raise ValueError(f"trajectory {self.traj_id}: prompt_len {self.prompt_len} outside [0, {n}]")
@@ -161,9 +167,10 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True):
     def validate(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(f"group {self.group_id}: schema_version {self.schema_version} != {SCHEMA_VERSION}")
-        if not self.trajectories:
+        trajs = self.trajectories
+        if not trajs:
             raise ValueError(f"group {self.group_id}: no trajectories")
-        for t in self.trajectories:
+        for t in trajs:
             t.validate()
 
 

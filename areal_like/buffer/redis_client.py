@@ -217,9 +217,75 @@ class Call:
     """Send the commands as MULTI … EXEC (atomic). Scripts in it must be `Cmd.eval` — an EVALSHA
     failing with NOSCRIPT inside EXEC would leave the other commands applied."""
 
+    packed: tuple[bytes, ...] = ()
+    """A MULTI … EXEC transaction already in wire format (`Call.tx`): sent as is on one pooled
+    connection, bypassing redis-py's command packing and pipeline machinery (the add hot path)."""
+    replies: int = 0
+    """Replies `packed` produces (MULTI's OK, one QUEUED per command, EXEC's array)."""
+
     @staticmethod
     def one(what: str, key: str, cmd: Cmd, *, idempotent: bool) -> "Call":
         return Call(what, key, (cmd,), idempotent)
+
+    @staticmethod
+    def tx(what: str, key: str, commands: list[tuple], *, idempotent: bool) -> "Call":
+        """MULTI, `commands` (each a tuple of str/bytes/int arguments, e.g. ("XADD", key, "*", …)), EXEC —
+        atomic like `transaction=True`. The reply is EXEC's list; an error reply to any command (e.g.
+        OOM at queue time, then EXECABORT) is raised as redis-py's ResponseError for it, like a pipeline.
+        Scripts in it must be EVAL (not EVALSHA), for the reason given at `transaction`."""
+        return Call(what, key, (), idempotent, True, _pack([(b"MULTI",), *commands, (b"EXEC",)]),
+                    len(commands) + 2)
+
+
+_BIG_ARG = 1 << 16  # arguments at least this long are sent as their own buffer (never copied)
+
+
+def _arg(a: Any) -> bytes:
+    if isinstance(a, str):
+        return a.encode()
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        return repr(a).encode()  # as redis-py encodes numbers
+    if isinstance(a, (bytes, bytearray, memoryview)):
+        return bytes(a)
+    raise TypeError(f"redis argument of type {type(a).__name__}: want str, bytes, int or float")
+
+
+def _pack(commands: list[tuple]) -> tuple[bytes, ...]:
+    """Commands in RESP wire format as few buffers: small arguments joined, big ones on their own."""
+    out: list[bytes] = []
+    buf: list[bytes] = []
+    put = buf.append
+    for args in commands:
+        put(b"*%d\r\n" % len(args))
+        for a in args:
+            if type(a) is not bytes:
+                a = _arg(a)
+            n = len(a)
+            if n >= _BIG_ARG:
+                put(b"$%d\r\n" % n)
+                out.append(b"".join(buf))
+                out.append(a)
+                buf.clear()
+                put(b"\r\n")
+            else:
+                put(b"$%d\r\n" % n)
+                put(a)
+                put(b"\r\n")
+    out.append(b"".join(buf))
+    return tuple(out)
+
+
+def _tx_result(replies: list[Any]) -> Any:
+    """EXEC's reply of a packed transaction, or the first error among all replies raised."""
+    for r in replies:
+        if isinstance(r, rexc.ResponseError):
+            raise r
+    res = replies[-1]
+    if isinstance(res, list):
+        for r in res:
+            if isinstance(r, rexc.ResponseError):  # a command that failed while EXEC ran it
+                raise r
+    return res
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,12 +473,32 @@ class RedisEndpoint:
                 return e
             raise
 
+    def _packed_sync(self, call: Call) -> Any:
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(call.packed)
+            replies: list[Any] = []
+            for _ in range(call.replies):  # read every reply, errors too: the connection stays in step
+                try:
+                    replies.append(conn.read_response())
+                except rexc.ResponseError as e:
+                    replies.append(e)
+        except BaseException:
+            conn.disconnect()  # a reply may be half read: never hand this connection out again as is
+            raise
+        finally:
+            pool.release(conn)
+        return _tx_result(replies)
+
     def _call_sync(self, call: Call) -> Any:
         attempt = 0
         first_fail = 0.0
         while True:
             try:
-                if len(call.cmds) == 1:
+                if call.packed:
+                    out = self._packed_sync(call)
+                elif len(call.cmds) == 1:
                     out = self._cmd_sync(self.client, call.cmds[0])
                 else:
                     pipe = self.client.pipeline(transaction=call.transaction)
@@ -477,13 +563,33 @@ class RedisEndpoint:
                 return e
             raise
 
+    async def _packed_async(self, client: Any, call: Call) -> Any:
+        pool = client.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(call.packed)
+            replies: list[Any] = []
+            for _ in range(call.replies):
+                try:
+                    replies.append(await conn.read_response())
+                except rexc.ResponseError as e:
+                    replies.append(e)
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+        return _tx_result(replies)
+
     async def _call_async(self, call: Call) -> Any:
         attempt = 0
         first_fail = 0.0
         while True:
             try:
                 client = self.async_client
-                if len(call.cmds) == 1:
+                if call.packed:
+                    out = await self._packed_async(client, call)
+                elif len(call.cmds) == 1:
                     out = await self._cmd_async(client, call.cmds[0])
                 else:
                     pipe = client.pipeline(transaction=call.transaction)

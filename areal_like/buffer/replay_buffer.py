@@ -105,6 +105,7 @@ StalePolicy = Literal["drop", "keep"]
 _ACK_CHUNK = 512  # ids per ACK script call: keeps one script call (which blocks Redis) short
 _COMMIT_CHUNK = 256  # (entry id, group id) pairs per COMMIT script call
 _PEL_PAGE = 256  # entries per page when scanning a consumer's own pending list
+_ADD_AFTER_SRC = scripts.ADD_AFTER.source.encode()  # EVAL, not EVALSHA, inside MULTI (see Call.transaction)
 
 
 class BufferFullTimeout(RedisCallTimeout):
@@ -291,11 +292,13 @@ class ReplayBuffer:
         gid = group.group_id
         # Fast path: MULTI XADD + ADD_AFTER (scripts.py) — the payload never passes through Lua.
         # Idempotent as a whole: a retry after a lost EXEC reply finds the marker and undoes itself.
-        add = Call(f"add group {gid}", k.stream,
-                   (Cmd("xadd", (k.stream, {"g": payload, "i": gid})),
-                    Cmd.eval(scripts.ADD_AFTER, [k.stream, k.counters, k.running, k.group_id(gid), k.trained],
-                             [self.consumer_group, self.max_groups, self.id_ttl_s, gid])),
-                   idempotent=True, transaction=True)
+        # Sent pre-packed (Call.tx): redis-py's pipeline machinery cost more client CPU than the rest
+        # of the add (benchmarks/RESULTS.md, buffer_throughput).
+        add = Call.tx(f"add group {gid}", k.stream,
+                      [(b"XADD", k.stream, b"*", b"g", payload, b"i", gid),
+                       (b"EVAL", _ADD_AFTER_SRC, b"5", k.stream, k.counters, k.running, k.group_id(gid), k.trained,
+                        self.consumer_group, self.max_groups, self.id_ttl_s, gid)],
+                      idempotent=True)
         check = Call.one(f"check room for group {gid}", k.stream,
                          Cmd.lua(scripts.ADD_CHECK, [k.stream, k.counters, k.group_id(gid), k.trained],
                                  [self.consumer_group, self.max_groups, gid]), idempotent=True)
