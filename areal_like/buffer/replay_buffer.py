@@ -60,9 +60,12 @@ runs this buffer's idempotent hook before its next call proceeds:
   * reads skip entries the consumer already holds (a delivery the crash undid is re-delivered) and
     check the trained set for re-added, reclaimed and post-restart entries, so neither path trains a
     group twice.
-Reads are retried on connection errors; after any reconnect the consumer's own pending list is
-scanned for entries whose delivery reply was lost (held ids are skipped), so a lost XREADGROUP reply
-leaves nothing stranded.
+Reads are retried on connection errors. The consumer's own pending list is scanned (held ids are
+skipped) by a read that reconnected — its XREADGROUP reply may have been lost — and by the first read
+after any Redis restart, whichever call noticed it: a lost second can keep a delivery but lose the ack
+that followed it (a drop — already_trained, duplicate, stale, malformed — is not journaled like a
+commit), and such an entry would stay pending forever, unknown to the learner. Either way the
+entries found go through the same checks as a read, so each ends acked, dropped or trained once.
 
 Sync methods for the learner; `*_async` twins for rollout workers run the *same* generator code via
 `RedisEndpoint.arun` (see redis_client.py), so there is one copy of the logic and one set of scripts.
@@ -205,6 +208,9 @@ class ReplayBuffer:
         # learner journal: (monotonic time, step, consumer, [(entry id, group id)])
         self._commits: deque[tuple[float, int, str, list[tuple[str, str]]]] = deque()
         self._recent_trained: dict[str, float] = {}  # group id → time committed by this process
+        # consumer → `endpoint.restarts` when its own pending list was last reconciled (scanned, or
+        # known to need no scan): a Redis restart seen since makes its next read scan the list again
+        self._restarts_seen: dict[str, int] = {}
         self.endpoint.on_restart(self._g_after_restart)
 
     @classmethod
@@ -265,6 +271,7 @@ class ReplayBuffer:
             self._recent_trained = {g: t for g, t in self._recent_trained.items() if t >= cut}
 
     def _forget(self, entry_ids: Iterable[str]) -> None:
+        entry_ids = list(entry_ids)  # may be a generator: walked once per consumer below
         for held in self._held.values():
             for eid in entry_ids:
                 held.pop(eid, None)
@@ -423,7 +430,9 @@ class ReplayBuffer:
         if block_ms > 0:
             kw["block"] = block_ms
         ep = self.endpoint
-        connects0, restarts0 = ep.connects, ep.restarts
+        connects0 = ep.connects
+        # restart count when this consumer's pending list was last reconciled (not: when this read began)
+        restarts0 = self._restarts_seen.setdefault(consumer, ep.restarts)
         for _attempt in range(2):
             # Retried on connection errors. A lost reply leaves entries pending under `consumer`
             # unknown to us: any reconnect (connects changed) triggers the own-pending scan below.
@@ -442,16 +451,25 @@ class ReplayBuffer:
             return []
         raw = list(reply[0][1]) if reply else []
         orphans = False
-        if ep.connects != connects0:
+        restarted = ep.restarts != restarts0
+        if ep.connects != connects0 or restarted:
+            # This read reconnected (its reply may have been lost), or Redis restarted since the last
+            # scan — whichever call noticed it (often a commit, not a read). A restart that lost the
+            # last second can keep a delivery yet lose the ack that followed it (e.g. of entries
+            # dropped as already_trained): they are pending for us and we hold nothing of them. Every
+            # entry pending and not held goes through _g_accept again, so it ends acked or trained.
+            seen = ep.restarts  # a restart noticed during the scan makes the next read scan again
             pel = yield from self._g_own_pending(consumer)
+            self._restarts_seen[consumer] = seen
             ids = {_s(r[0]) for r in raw}
             extra = [r for r in pel if _s(r[0]) not in ids and _s(r[0]) not in self._held.get(consumer, {})]
             if extra:
                 log.warning("%d entr(y/ies) of %s were pending for %s without our knowing (a read reply lost in a "
-                            "reconnect): delivering them now", len(extra), k.stream, consumer)
+                            "reconnect, or an ack lost in a Redis restart): delivering them now", len(extra), k.stream,
+                            consumer)
                 raw = extra + raw
                 orphans = True
-        good = yield from self._g_accept(raw, consumer, check_all=orphans or ep.restarts != restarts0)
+        good = yield from self._g_accept(raw, consumer, check_all=orphans or restarted or ep.restarts != restarts0)
         BUFFER_CONSUMED.inc(len(good))
         return good
 
@@ -568,7 +586,9 @@ class ReplayBuffer:
                 f"but the checkpoint being resumed is step {step}: groups of steps {step + 1}..{int(committed)} were "
                 f"acked and are not in this model; resume from the newest checkpoint"
             )
+        seen = self.endpoint.restarts
         raw = yield from self._g_own_pending(consumer)
+        self._restarts_seen[consumer] = seen
         out = yield from self._g_accept(raw, consumer, check_all=True)
         BUFFER_RECLAIMED.inc(len(out))
         if out:

@@ -234,6 +234,46 @@ def test_kill9_and_restart_keeps_entries_counters_and_version(tmp_path):
     assert not srv.is_running()
 
 
+def test_drop_ack_lost_in_a_redis_restart_is_reconciled_by_the_next_read(tmp_path):
+    """Deterministic replay of the kill+lose leak (test_redis_crash.py): a producer's journal re-adds a
+    copy (r=1) of a group the learner trained, before the learner's re-commit restored the trained set;
+    the learner reads the copy and drops it (already_trained: XACK + XDEL); a second crash loses the
+    last second — the delivery survives, the ack does not. The learner notices the restart in a
+    commit, not a read, so its next read must still reconcile its pending list: the copy is dropped
+    again, never left pending (nor trained twice)."""
+    from areal_like.api.trajectory import encode_group
+
+    with RedisServer(tmp_path / "r") as srv:
+        ep = RedisEndpoint(srv.url, backoff_base_s=0.02, backoff_cap_s=0.2, reconnect_timeout_s=30)
+        b = ReplayBuffer(stream="run", block_ms=100, endpoint=ep)
+        k = b.keys
+        admin = redis.Redis.from_url(srv.url, socket_timeout=5)  # plays the crash; not the learner's connections
+        b.add_group(group("g0"))
+        (e0, _), = b.read(1, consumer="L")
+        b.commit([(e0, "g0")], step=1, consumer="L")
+        admin.xadd(k.stream, {"g": encode_group(group("g0")), "i": "g0", "r": "1"})  # the re-added copy
+        stream0, counters0 = admin.dump(k.stream), admin.dump(k.counters)
+        assert b.read(8, block_ms=0, consumer="L") == []  # delivered, dropped as already_trained, acked
+        assert b.stats()["dropped"] == {"already_trained": 1} and b.stats()["pending"] == 0
+        # the lost second: back to before the read, then the delivery (not the ack) replayed from the AOF
+        admin.restore(k.stream, 0, stream0, replace=True)
+        admin.restore(k.counters, 0, counters0, replace=True)
+        (_, [(copy_id, _)]), = admin.xreadgroup(b.consumer_group, "L", {k.stream: ">"}, count=1)
+        admin.close()
+        srv.kill()
+        srv.restart()
+        b.commit([], step=1, consumer="L")  # a commit, not a read, notices the restart and runs the hook
+        assert ep.restarts == 1 and b.stats()["pending"] == 1 and b.held("L") == {}
+        b.add_group(group("g1"))
+        assert [g.group_id for _, g in b.read(8, block_ms=0, consumer="L")] == ["g1"]  # g0's copy: not again
+        st = b.stats()
+        assert st["pending"] == 1 and st["dropped"] == {"already_trained": 1}, st  # g1 pending; the copy acked
+        assert copy_id.decode() not in {x[0].decode() for x in b.endpoint.client.xrange(k.stream)}
+        b.read(8, block_ms=0, consumer="L")  # the scan is done once per restart
+        assert b.stats()["dropped"] == {"already_trained": 1}
+        b.close()
+
+
 # ---- consume-time policy, commit, recover ---------------------------------------------------------
 def test_stale_policy_keep_trains_and_counts(buf):
     for v in range(3):
