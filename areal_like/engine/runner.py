@@ -474,26 +474,24 @@ class ModelRunner:
 
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Copy tensors into the model, all or nothing: names and shapes are checked first, and a
-        failure half-way restores the old values. The batch KV cache is kept (pause drains it)."""
+        """Copy tensors into the model, all or nothing: names, shapes and dtypes are checked before
+        anything is written, and once they pass a same-shape floating-point `copy_` cannot fail short
+        of a device fault (which breaks the engine anyway). No per-push backup clone: on the weight
+        push hot path it doubled the copy and faulted in fresh memory every time. The batch KV cache
+        is kept (pause drains it)."""
         own = self.named_weights()
         unknown = [n for n in named if n not in own]
         if unknown:
             raise ValueError(f"unknown parameter names: {unknown[:5]}{' …' if len(unknown) > 5 else ''}")
         bad = [f"{n}: got {tuple(t.shape)}, model has {tuple(own[n].shape)}" for n, t in named.items()
                if tuple(t.shape) != tuple(own[n].shape)]
+        bad += [f"{n}: got dtype {t.dtype}, model has {own[n].dtype}" for n, t in named.items()
+                if t.is_floating_point() != own[n].is_floating_point()]
         if bad:
-            raise ValueError(f"shape mismatch: {bad[:5]}")
-        done: list[tuple[str, torch.Tensor]] = []
-        try:
+            raise ValueError(f"shape/dtype mismatch: {bad[:5]}")
+        with torch.no_grad():
             for n, t in named.items():
-                backup = own[n].detach().clone()
-                own[n].data.copy_(t)  # copies across dtype/device
-                done.append((n, backup))
-        except Exception:
-            for n, backup in done:
-                own[n].data.copy_(backup)
-            raise
+                own[n].copy_(t)  # copies across dtype/device
 
     def load_weights_from_disk(self, model_path: str) -> None:
         """Load every tensor of an HF safetensors checkpoint dir; the model is untouched on failure."""
