@@ -13,7 +13,12 @@ Padding: batches are right-padded and run *without* an attention mask — with c
 real token never attends to the padding after it, so a sequence's logits are the same padded or
 not, and splitting a batch into micro-batches changes no gradient (tests check this to 1e-6).
 
-What this module does not do: no parallelism (issue 6 applies DP×PP×TP to the same plain HF model
+Role: `Learner` is the plain single-process reference that the learner pool
+(`learner/parallel`, which runs every training job, one rank included) is tested against for
+numerical equivalence; the batching helpers here (`pack_trajectories`, `batch_plan`, `lr_at`) are
+shared by both, so the two cannot drift apart in what they train on.
+
+What this module does not do: no parallelism (the pool applies DP×PP×TP to the same plain HF model
 from outside), no Redis, no weight push transport (it only hands out named tensors), no rollout.
 """
 
