@@ -69,6 +69,15 @@ async def sample(url, prompt, n=24):
         r["meta_info"]["weight_version"]
 
 
+async def generated_tokens(url: str) -> float:
+    """The server's areal_like_generated_tokens_total (per server process)."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            text = await r.text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("areal_like_generated_tokens_total "))
+    return float(line.split()[1])
+
+
 def new_pusher(servers, **kw) -> WeightPusher:
     return WeightPusher([s.url for s in servers], master_port=free_port(), backend="gloo",
                         bucket_bytes=kw.pop("bucket_bytes", 32 << 10), timeout_s=60, admin_api_key=ADMIN, **kw)
@@ -109,12 +118,12 @@ async def test_interrupted_generation_keeps_token_versions(servers, base_model):
         await pusher.push(list(old.state_dict().items()), version=10)
         async with GenerationClient([s.url for s in servers], request_timeout_s=60) as client:
             for attempt in range(5):  # the push must land mid-generation; retry the rare too-fast run
+                before = await generated_tokens(client.pick_server("group-0"))
                 gen = asyncio.ensure_future(client.generate(prompt, max_new_tokens=450, ignore_eos=True,
                                                             sampling_seed=attempt, key="group-0"))
                 url = client.pick_server("group-0")
-                while True:  # wait until the request is in the decode batch
-                    _, loads = await call("GET", url, "/v1/loads")
-                    if loads["num_running_reqs"] >= 1 or gen.done():
+                while True:  # wait until the request has decoded some tokens (it is alone on `url`)
+                    if await generated_tokens(url) - before >= 8 or gen.done():
                         break
                     await asyncio.sleep(0.002)
                 await pusher.push(list(new.state_dict().items()), version=11 + attempt)
