@@ -49,6 +49,22 @@ CKPT_META_FILE = "meta.json"
 CKPT_FORMAT = 1
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def publish_checkpoint_dir(tmp: str, path: str, meta_bytes: bytes) -> None:
+    """Finish a checkpoint written into `tmp`: meta.json last (fsynced), then swap `tmp` in as `path`.
+
+    A directory without meta.json is never a checkpoint, so a crash at any point leaves either the
+    old checkpoint or the new one, never a half-written one under `path`."""
+    with open(os.path.join(tmp, CKPT_META_FILE), "wb") as f:
+        f.write(meta_bytes)
+        f.flush()
+        os.fsync(f.fileno())
+    old = f"{path}.old"
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 # Files of an HF dir that `save_pretrained` writes itself; everything else (tokenizer) is copied over.
 _HF_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
@@ -445,15 +461,7 @@ class Learner:
         os.makedirs(tmp)
         save_model(self.model, os.path.join(tmp, CKPT_MODEL_FILE))  # handles the tied embedding
         torch.save({k: v for k, v in sd.items() if k != "model"}, os.path.join(tmp, CKPT_STATE_FILE))
-        with open(os.path.join(tmp, CKPT_META_FILE), "wb") as f:
-            f.write(meta_bytes)
-            f.flush()
-            os.fsync(f.fileno())
-        old = f"{path}.old-{os.getpid()}"
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        publish_checkpoint_dir(tmp, path, meta_bytes)
         return path
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:

@@ -45,7 +45,14 @@ from areal_like.learner.parallel.parallelize import (
     parallelize_model,
     stage_layer_ids,
 )
-from areal_like.learner.trainer import _DTYPES, _HF_MODEL_FILES, batch_plan, lr_at, pack_trajectories
+from areal_like.learner.trainer import (
+    _DTYPES,
+    _HF_MODEL_FILES,
+    batch_plan,
+    lr_at,
+    pack_trajectories,
+    publish_checkpoint_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -452,15 +459,7 @@ class ParallelLearner:
         torch.save(self._rank_state(), os.path.join(tmp, f"rank{self.layout.rank:05d}.pt"))
         self._barrier()  # every rank's file is written
         if self.is_rank0:
-            with open(os.path.join(tmp, CKPT_META_FILE), "wb") as f:
-                f.write(meta_bytes)
-                f.flush()
-                os.fsync(f.fileno())
-            old = f"{path}.old"
-            if os.path.exists(path):
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            publish_checkpoint_dir(tmp, path, meta_bytes)
         self._barrier()
         return path
 
