@@ -211,3 +211,36 @@ def test_status_and_stop_from_another_shell(tmp_path, demo_assets):
     after = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert "running" not in after.stdout and "summary:" in after.stdout
+
+
+def test_chat_prompts_and_custom_reward_function(tmp_path, demo_assets):
+    """verl-format parquet with chat-list prompts + custom_reward_function.path/name, end to end."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model, _ = demo_assets
+    data = tmp_path / "chat.parquet"
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1=?"}], "data_source": "my/task",
+             "reward_model": {"ground_truth": str((i + 1) % 10), "style": "rule"},
+             "extra_info": {"index": i}} for i in range(32)]
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    reward = tmp_path / "my_reward.py"
+    # Scores every completion 0.75 and records what it was called with: only this function can
+    # make the reward exactly 0.75, and the record shows verl's argument order.
+    reward.write_text(
+        "import json, os\n"
+        "def my_score(data_source, solution_str, ground_truth, extra_info):\n"
+        f"    with open({str(tmp_path / 'calls.jsonl')!r}, 'a') as f:\n"
+        "        f.write(json.dumps([data_source, ground_truth, extra_info.get('index')]) + '\\n')\n"
+        "    return {'score': 0.75}\n")
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "launcher", "run", "--config", os.path.join(ROOT, "configs/demo.yaml"),
+            "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
+            f"custom_reward_function.path={reward}", "custom_reward_function.name=my_score",
+            "train.total_steps=2", "train.batch_size=2", "generation.n=2"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows_out = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_mean"] for r in rows_out] == [0.75, 0.75]
+    calls = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert calls and all(ds == "my/task" and gt == str((idx + 1) % 10) for ds, gt, idx in calls)
