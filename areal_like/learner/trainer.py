@@ -51,6 +51,17 @@ CKPT_FORMAT = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def step_skip_reason(loss_tokens: int, grad_norm: float, loss: float) -> str:
+    """The finite check of a training step: why its optimizer step must be skipped ("" = it may run)."""
+    if loss_tokens == 0:
+        return "no loss tokens in the batch"
+    if not np.isfinite(grad_norm):
+        return f"non-finite grad norm ({grad_norm})"
+    if not np.isfinite(loss):
+        return f"non-finite loss ({loss})"
+    return ""
+
+
 def publish_checkpoint_dir(tmp: str, path: str, meta_bytes: bytes) -> None:
     """Finish a checkpoint written into `tmp`: meta.json last (fsynced), then swap `tmp` in as `path`.
 
@@ -354,13 +365,7 @@ class Learner:
         names = list(dev_stats)
         fetched = torch.stack([grad_norm.float(), *[dev_stats[n].float() for n in names]]).tolist()
         grad_norm_f, stats = fetched[0], dict(zip(names, fetched[1:]))
-        skip_reason = ""
-        if batch.loss_tokens == 0:
-            skip_reason = "no loss tokens in the batch"
-        elif not np.isfinite(grad_norm_f):
-            skip_reason = f"non-finite grad norm ({grad_norm_f})"
-        elif not np.isfinite(stats.get("loss", 0.0)):
-            skip_reason = f"non-finite loss ({stats['loss']})"
+        skip_reason = step_skip_reason(batch.loss_tokens, grad_norm_f, stats.get("loss", 0.0))
         # 5. optimizer step (or skip it, with the reason logged)
         lr = self._lr_at(self.optimizer_steps)
         if skip_reason:

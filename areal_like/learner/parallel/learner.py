@@ -52,6 +52,7 @@ from areal_like.learner.trainer import (
     lr_at,
     pack_trajectories,
     publish_checkpoint_dir,
+    step_skip_reason,
 )
 
 log = logging.getLogger(__name__)
@@ -334,13 +335,7 @@ class ParallelLearner:
         names = list(dev_stats)
         fetched = torch.stack([grad_norm.float(), *[dev_stats[n].float() for n in names]]).tolist()
         grad_norm_f, stats = fetched[0], dict(zip(names, fetched[1:]))
-        skip_reason = ""
-        if loss_tokens == 0:
-            skip_reason = "no loss tokens in the batch"
-        elif not np.isfinite(grad_norm_f):
-            skip_reason = f"non-finite grad norm ({grad_norm_f})"
-        elif not np.isfinite(stats["loss"]):
-            skip_reason = f"non-finite loss ({stats['loss']})"
+        skip_reason = step_skip_reason(loss_tokens, grad_norm_f, stats["loss"])
         # 5. optimizer step on the local shards (or skip it, with the reason logged)
         lr = lr_at(self.cfg, self.optimizer_steps)
         if skip_reason:
