@@ -17,6 +17,10 @@ Group-relative advantages take one reward per sample plus `group_index` (int, sa
 group each sample belongs to, values 0..G−1); the caller broadcasts the sequence advantage to its
 loss tokens.
 
+Every estimator and loss is checked against the published reference implementations (verl's
+`trainer/ppo/core_algos.py`, AReaL's `utils/functional.py`) in tests/unit/test_algorithms_reference.py,
+which also pins each deliberate difference of convention.
+
 What this module does not do: it runs no model, knows nothing of trajectories, micro-batches or
 devices, never synchronises with the host (statistics are returned as 0-dim tensors for the caller
 to fetch in one go) and never touches torch.distributed — exact gradient accumulation and data
@@ -25,7 +29,7 @@ parallelism only need the caller to pass the *global* loss-token count.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -36,7 +40,12 @@ __all__ = [
     "grpo_advantages",
     "rloo_advantages",
     "reinforce_pp_advantages",
+    "reinforce_pp_token_advantages",
+    "reinforce_pp_baseline_token_advantages",
     "gae_advantages",
+    "masked_moments",
+    "masked_whiten",
+    "KL_ESTIMATORS",
     "kl_estimate",
     "kl_loss",
     "kl_penalized_rewards",
@@ -50,7 +59,18 @@ __all__ = [
     "reward_transform",
     "entropy_from_logits",
     "masked_mean",
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
 ]
+
+KL_ESTIMATORS: tuple[str, ...] = (
+    "k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "kl+", "abs+", "k3+", "low_var_kl+",
+)
+"""Names `kl_estimate` accepts: ours (k1/k2/k3) and verl's `kl_penalty` names. A trailing "+" is verl's
+straight-through variant: the value of the estimator, the gradient of k2 (unbiased KL gradient)."""
+
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""verl's `loss_agg_mode` names, accepted by `aggregate_loss` and every loss here."""
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -59,6 +79,115 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     m = mask.to(x.dtype)
     # where(), not x·m: a masked-out inf/NaN must not turn the sum into NaN
     return torch.where(m > 0, x * m, torch.zeros_like(x)).sum() / m.sum().clamp(min=1.0)
+
+
+def masked_moments(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(Σ x·m, Σ x²·m, Σ m) as 0-dim float64 tensors: the sufficient statistics of `masked_whiten`.
+
+    Sums of moments add across micro-batches and data-parallel ranks, so a distributed caller can
+    all-reduce (SUM) the three and pass them as `masked_whiten(..., moments=...)` to whiten with the
+    global mean and variance. float64, not float32: var = Σx²/n − mean² cancels, and in float64 equal
+    float32 values give exactly var 0 (their sums and squares are exact).
+    """
+    m = mask.double()
+    xd = torch.where(m > 0, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))  # no NaN·0
+    return (xd * m).sum(), (xd.square() * m).sum(), m.sum()
+
+
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    moments: tuple[Tensor, Tensor, Tensor] | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """verl's `masked_whiten`: (x − mean)·rsqrt(var + eps) with mean and *unbiased* var (·n/(n−1)) over
+    the positions where mask > 0. `shift_mean=False` adds the mean back after scaling.
+
+    `moments` = (Σ x·m, Σ x²·m, Σ m) summed over a larger batch (see `masked_moments`) replaces this
+    call's own statistics, so whitening a data-parallel shard with all-reduced moments gives the same
+    result as whitening the whole batch in one process.
+
+    Differences from verl, on purpose (tested in tests/unit/test_algorithms_reference.py): returns 0 at
+    masked-out positions (verl returns whitened garbage there); fewer than 2 masked values or a
+    variance at the rounding noise floor (all values equal) give exactly 0 (the mean, with
+    `shift_mean=False`) instead of raising / amplifying rounding noise by rsqrt(eps) = 10⁴.
+    Returns float32. No host sync.
+    """
+    xf = x.float()
+    s, ss, n = masked_moments(xf, mask) if moments is None else moments
+    s, ss, n = s.double(), ss.double(), n.double()
+    n_safe = n.clamp(min=1.0)
+    mean = s / n_safe
+    meansq = ss / n_safe
+    var_biased = (meansq - mean.square()).clamp(min=0.0)
+    var = var_biased * n / (n - 1.0).clamp(min=1.0)
+    # Noise floor of var: a few ulps of the values themselves (float32 values that differ only by
+    # rounding count as equal), or what float rounding of the moments can produce (moments passed
+    # in float32 by a caller carry ~eps32 relative error in Σx², which var = Σx²/n − mean² inherits).
+    tol = (4.0 * torch.finfo(xf.dtype).eps) ** 2
+    if moments is not None:
+        tol = max(tol, 16.0 * torch.finfo(moments[1].dtype).eps)
+    degenerate = (n < 2.0) | (var_biased <= tol * meansq)
+    keep = (mask > 0) & ~degenerate
+    centered = torch.where(keep, xf.double() - mean, torch.zeros((), dtype=torch.float64, device=xf.device))
+    out = centered * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask > 0, out, torch.zeros_like(out)).float()
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    loss_tokens_global: int | float | Tensor | None = None,
+    num_seqs_global: int | float | Tensor | None = None,
+    loss_norm_const: float | None = None,
+) -> Tensor:
+    """Per-token losses → scalar, with verl's `loss_agg_mode` names (`LOSS_AGG_MODES`).
+
+    Summing the returned values over micro-batches and data-parallel ranks gives exactly the loss of
+    the whole (mini)batch, provided the caller passes the *global* counts:
+      "token-mean":              Σ L·m / loss_tokens_global        (default Σ m of this call)
+      "seq-mean-token-mean":     Σ_seq (Σ_t L·m / Σ_t m) / num_seqs_global
+      "seq-mean-token-sum":      Σ_seq Σ_t L·m / num_seqs_global   (no length division)
+      "seq-mean-token-sum-norm": Σ L·m / loss_norm_const           (Dr.GRPO: constant horizon; default
+                                 the number of columns, as verl — pass it explicitly when micro-batches
+                                 are padded to different widths)
+    num_seqs_global counts sequences with ≥ 1 loss token (default: those rows of this call), as verl
+    excludes fully masked rows. Rows are sequences for the seq-* modes (2-D input). Masked positions
+    may hold inf/NaN. An empty mask gives 0. No host sync when the counts are tensors or None.
+    (verl multiplies by dp_size because FSDP *averages* gradients over ranks; here ranks sum.)
+    """
+    m = mask.to(torch.float32)
+    L = torch.where(m > 0, loss_mat.float() * m, torch.zeros((), dtype=torch.float32, device=loss_mat.device))
+
+    def _den(count: int | float | Tensor | None, local: Tensor) -> Tensor | float:
+        if count is None:
+            return local.clamp(min=1.0)
+        if isinstance(count, Tensor):
+            return count.float().clamp(min=1.0)
+        return max(float(count), 1.0)
+
+    if mode == "token-mean":
+        return L.sum() / _den(loss_tokens_global, m.sum())
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}: use one of {LOSS_AGG_MODES}")
+    if L.dim() != 2:
+        raise ValueError(f"loss aggregation {mode!r} needs (sequences, tokens) inputs, got shape {tuple(L.shape)}")
+    if mode == "seq-mean-token-sum-norm":
+        horizon = float(L.shape[-1]) if loss_norm_const is None else float(loss_norm_const)
+        if horizon <= 0:
+            raise ValueError(f"loss_norm_const must be > 0, got {horizon}")
+        return L.sum() / horizon
+    seq_loss = L.sum(-1)
+    tokens_per_seq = m.sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq_loss = seq_loss / tokens_per_seq.clamp(min=1.0)  # fully masked rows: 0/1 = 0
+    return seq_loss.sum() / _den(num_seqs_global, (tokens_per_seq > 0).float().sum())
 
 
 def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
@@ -121,18 +250,96 @@ def rloo_advantages(rewards_N: Tensor, group_index_N: Tensor) -> Tensor:
 
 
 def reinforce_pp_advantages(rewards_N: Tensor, group_index_N: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:
-    """REINFORCE++: advantages normalised over the whole batch, A = (R − mean_batch) / (std_batch + eps).
+    """REINFORCE++ on one reward per sample: A = (R − mean_batch) / (std_batch + eps).
 
     With `group_index_N` it is the "REINFORCE++-baseline" variant: subtract the group mean first, then
-    normalise the result over the batch. std is the unbiased batch std; a batch of one gives A = 0.
+    normalise the result over the batch. std is the unbiased batch std. Exactly 0 (no rounding noise
+    amplified by 1/eps) for a batch of one, a batch whose values are all equal and, in the baseline
+    variant, every group whose rewards are all equal (including a group of one).
+    For verl's token-level versions see `reinforce_pp_token_advantages` /
+    `reinforce_pp_baseline_token_advantages`.
     """
     x = rewards_N.float()
+    uniform_group = None
     if group_index_N is not None:
-        mean, _, _, _ = _group_stats(x, group_index_N)
-        x = x - mean
+        mean, _, _, uniform_group = _group_stats(x, group_index_N)
+        x = torch.where(uniform_group, torch.zeros_like(x), x - mean)
     if x.numel() < 2:
         return torch.zeros_like(x)
-    return (x - x.mean()) / (x.std() + eps)
+    uniform_batch = x.max() == x.min()
+    adv = torch.where(uniform_batch, torch.zeros_like(x), (x - x.mean()) / (x.std() + eps))
+    if uniform_group is not None:
+        adv = torch.where(uniform_group, torch.zeros_like(adv), adv)
+    return adv
+
+
+MomentsFn = Callable[[tuple[Tensor, Tensor, Tensor]], tuple[Tensor, Tensor, Tensor]]
+
+
+def reinforce_pp_token_advantages(
+    token_rewards_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0, moments_fn: MomentsFn | None = None
+) -> tuple[Tensor, Tensor]:
+    """verl's REINFORCE++ (`compute_reinforce_plus_plus_outcome_advantage`): discounted returns
+    G_t = r_t + γ·G_{t'} over the masked tokens of each row, then whitened over the whole batch
+    (`masked_whiten`, unbiased var, eps 1e-8).
+
+    t' is the next position with mask 1: masked positions (tool output inside a multi-turn row) are
+    stepped over, as `gae_advantages` and verl's GAE do, so the final reward reaches every turn; on a
+    row whose loss tokens are contiguous this is exactly verl's "reset after EOS". Rewards on masked
+    positions are ignored. `moments_fn` maps the local `masked_moments` of the returns to the global
+    ones (e.g. an all-reduce over data-parallel ranks); None = this batch only.
+    Returns (advantages_BT, returns_BT), float32, both 0 where mask is 0; a batch whose returns are
+    all equal gets advantages exactly 0.
+    """
+    m = mask_BT.float()
+    r = token_rewards_BT.float()
+    if r.dim() != 2 or r.shape != m.shape:
+        raise ValueError(f"token rewards {tuple(r.shape)} and mask {tuple(m.shape)} must be equal 2-D shapes")
+    B, T = r.shape
+    returns = torch.zeros_like(r)
+    running = torch.zeros(B, dtype=r.dtype, device=r.device)
+    for t in reversed(range(T)):
+        mt = m[:, t] > 0
+        running = torch.where(mt, r[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(mt, running, torch.zeros_like(running))
+    moments = masked_moments(returns, m)
+    if moments_fn is not None:
+        moments = moments_fn(moments)
+    return masked_whiten(returns, m, moments=moments), returns
+
+
+def reinforce_pp_baseline_token_advantages(
+    scores_N: Tensor, group_index_N: Tensor, mask_BT: Tensor, *, moments_fn: MomentsFn | None = None,
+    rows_B: Tensor | None = None,
+) -> Tensor:
+    """verl's REINFORCE++-baseline (`compute_reinforce_plus_plus_baseline_outcome_advantage`): subtract
+    the group mean from each sample's score, broadcast it over the sample's loss tokens (row i of
+    `mask_BT` is sample i), then whiten over all loss tokens of the batch (`masked_whiten`).
+
+    Differs from verl on purpose: a group whose scores are all equal — including a group of one, for
+    which verl uses baseline 0, i.e. the raw score — gets advantage exactly 0 on every token (verl
+    gives it −mean_batch/std_batch after whitening; the batch mean is ≠ 0 when lengths differ).
+    The whitening statistics are verl's (uniform groups' tokens count as zeros), so every other row
+    matches verl. `moments_fn` as in `reinforce_pp_token_advantages`. `rows_B` (optional, long (B,)):
+    row b of `mask_BT` is sample rows_B[b] of `scores_N` — for a data-parallel rank that holds only
+    some samples but needs every sample's score for the group means; default: row b is sample b.
+    Returns float32 (B, T).
+    """
+    m = mask_BT.float()
+    n_rows = scores_N.shape[0] if rows_B is None else rows_B.shape[0]
+    if m.dim() != 2 or m.shape[0] != n_rows:
+        raise ValueError(f"mask {tuple(m.shape)} must be ({n_rows}, T): one row per selected sample")
+    s = scores_N.float()
+    mean, _, _, uniform = _group_stats(s, group_index_N)
+    centered = torch.where(uniform, torch.zeros_like(s), s - mean)
+    if rows_B is not None:
+        centered, uniform = centered[rows_B.long()], uniform[rows_B.long()]
+    x = centered[:, None] * m
+    moments = masked_moments(x, m)
+    if moments_fn is not None:
+        moments = moments_fn(moments)
+    adv = masked_whiten(x, m, moments=moments)
+    return torch.where(uniform[:, None], torch.zeros_like(adv), adv)
 
 
 def gae_advantages(
@@ -145,6 +352,9 @@ def gae_advantages(
     where t' is the next position with mask 1 (positions with mask 0 — prompt, tool output, padding —
     are skipped over, so a multi-turn row is one episode) and V after the last masked token is 0.
     Returns (advantages_BT, returns_BT = advantages + values), both 0 where mask is 0.
+    On the loss tokens this is verl's `compute_gae_advantage_return` before its whitening step (same
+    skip-over recursion); verl then whitens the advantages — call `masked_whiten(advantages, mask)`
+    for that. verl leaves carried values at masked positions; here they are 0.
     """
     m = mask_BT.float()
     r = rewards_BT.float()
@@ -166,40 +376,56 @@ def gae_advantages(
 
 
 # ---- KL -----------------------------------------------------------------------------------------
-def kl_estimate(logp: Tensor, logp_ref: Tensor, kind: Literal["k1", "k2", "k3"] = "k3") -> Tensor:
+def kl_estimate(logp: Tensor, logp_ref: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimators of KL(π ‖ π_ref) from samples of π (Schulman, "Approximating KL divergence").
 
-    With log_ratio = log π − log π_ref:  k1 = log_ratio (unbiased, high variance, can be < 0);
-    k2 = ½·log_ratio² (biased, low variance); k3 = exp(−log_ratio) − 1 + log_ratio (unbiased, ≥ 0).
+    With log_ratio = log π − log π_ref (`kind`, any of `KL_ESTIMATORS`):
+      "k1" / "kl":  log_ratio (unbiased, high variance, can be < 0);  "abs": |log_ratio|;
+      "k2" / "mse": ½·log_ratio² (biased, low variance);
+      "k3":         exp(−log_ratio) − 1 + log_ratio (unbiased, ≥ 0), *unclamped* (computed with expm1);
+      "low_var_kl": verl's k3 exactly: log_ratio clamped to [−20, 20] before exp, the result clamped
+                    to [−10, 10] (bounded for numerical stability, so biased for large log-ratios);
+      a trailing "+" (e.g. "k3+", "low_var_kl+"): verl's straight-through variant, the value of that
+                    estimator with the gradient of k2 (whose gradient is the unbiased KL gradient).
     """
+    if kind.endswith("+") and kind not in ("k2+", "mse+"):
+        value = kl_estimate(logp, logp_ref, kind[:-1])
+        k2 = 0.5 * (logp.float() - logp_ref.float()).square()
+        return k2 - k2.detach() + value.detach()
     log_ratio = logp.float() - logp_ref.float()
-    if kind == "k1":
+    if kind in ("k1", "kl"):
         return log_ratio
-    if kind == "k2":
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind in ("k2", "mse"):
         return 0.5 * log_ratio.square()
     if kind == "k3":
         return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {kind!r}: use 'k1', 'k2' or 'k3'")
+    if kind == "low_var_kl":
+        kl = torch.clamp(-log_ratio, min=-20.0, max=20.0)
+        return torch.clamp(torch.exp(kl) - kl - 1.0, min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}: use one of {KL_ESTIMATORS} (e.g. 'k1', 'k2', 'k3')")
 
 
-def kl_loss(logp: Tensor, logp_ref: Tensor, loss_mask: Tensor, *, kind: Literal["k1", "k2", "k3"] = "k3",
-            loss_tokens_global: int | float | None = None) -> Tensor:
-    """KL to a frozen reference *as a loss* (GRPO's β·KL term, add β·this): Σ k·m / N_loss_tokens.
+def kl_loss(logp: Tensor, logp_ref: Tensor, loss_mask: Tensor, *, kind: str = "k3",
+            loss_tokens_global: int | float | Tensor | None = None, agg: str = "token-mean",
+            num_seqs_global: int | float | Tensor | None = None, loss_norm_const: float | None = None) -> Tensor:
+    """KL to a frozen reference *as a loss* (GRPO's β·KL term, add β·this), aggregated by `aggregate_loss`
+    (default token-mean: Σ k·m / N_loss_tokens).
 
     Gradient flows through `logp` only; `logp_ref` (the frozen reference policy) is detached.
     """
-    m = loss_mask.float()
     k = kl_estimate(logp, logp_ref.detach(), kind)
-    k = torch.where(m > 0, k, torch.zeros_like(k))  # masked positions may hold any logprob
-    n = m.sum().clamp(min=1.0) if loss_tokens_global is None else max(float(loss_tokens_global), 1.0)
-    return (k * m).sum() / n
+    return aggregate_loss(k, loss_mask, agg, loss_tokens_global=loss_tokens_global,
+                          num_seqs_global=num_seqs_global, loss_norm_const=loss_norm_const)
 
 
 def kl_penalized_rewards(token_rewards: Tensor, logp: Tensor, logp_ref: Tensor, loss_mask: Tensor, *,
-                         beta: float, kind: Literal["k1", "k2", "k3"] = "k1") -> Tensor:
+                         beta: float, kind: str = "k1") -> Tensor:
     """KL *in the reward* (InstructGPT / verl `use_kl_in_reward`): r_t − β·k_t on loss tokens, no gradient.
 
     `token_rewards` has the shape of the logprobs (the sequence reward usually sits on the last token).
+    Same as verl's `apply_kl_penalty` (which passes the old, i.e. behaviour-side, logprobs as `logp`).
     """
     m = loss_mask.float()
     k = kl_estimate(logp.detach(), logp_ref.detach(), kind)
@@ -207,12 +433,14 @@ def kl_penalized_rewards(token_rewards: Tensor, logp: Tensor, logp_ref: Tensor, 
 
 
 def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, *,
-                   value_clip: float | None = 0.2, loss_tokens_global: int | float | None = None) -> Tensor:
-    """PPO critic loss: ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²), token mean over loss tokens.
+                   value_clip: float | None = 0.2, loss_tokens_global: int | float | Tensor | None = None,
+                   agg: str = "token-mean", num_seqs_global: int | float | Tensor | None = None,
+                   loss_norm_const: float | None = None) -> Tensor:
+    """PPO critic loss: ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²), aggregated by
+    `aggregate_loss` (default token-mean over loss tokens) — verl's `compute_value_loss`.
 
     `value_clip` None = the unclipped ½(V − R)². Gradient flows through `values` only.
     """
-    m = loss_mask.float()
     v = values.float()
     R = returns.detach().float()
     vf_loss = (v - R).square()
@@ -220,19 +448,20 @@ def ppo_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mas
         v_old = old_values.detach().float()
         v_clipped = v_old + torch.clamp(v - v_old, -value_clip, value_clip)
         vf_loss = torch.maximum(vf_loss, (v_clipped - R).square())
-    n = m.sum().clamp(min=1.0) if loss_tokens_global is None else max(float(loss_tokens_global), 1.0)
-    return 0.5 * torch.where(m > 0, vf_loss, torch.zeros_like(vf_loss)).sum() / n
+    return 0.5 * aggregate_loss(vf_loss, loss_mask, agg, loss_tokens_global=loss_tokens_global,
+                                num_seqs_global=num_seqs_global, loss_norm_const=loss_norm_const)
 
 
 def entropy_bonus_loss(entropy: Tensor, loss_mask: Tensor, *, coef: float,
-                       loss_tokens_global: int | float | None = None) -> Tensor:
-    """Entropy bonus as a loss term to add: −coef · Σ H·m / N_loss_tokens (maximising entropy).
+                       loss_tokens_global: int | float | Tensor | None = None, agg: str = "token-mean",
+                       num_seqs_global: int | float | Tensor | None = None,
+                       loss_norm_const: float | None = None) -> Tensor:
+    """Entropy bonus as a loss term to add: −coef · aggregate(H) (default −coef·Σ H·m / N_loss_tokens).
 
     Pass `entropy_from_logits(logits)` *with* gradient for the bonus to act on the policy.
     """
-    m = loss_mask.float()
-    n = m.sum().clamp(min=1.0) if loss_tokens_global is None else max(float(loss_tokens_global), 1.0)
-    return -coef * (entropy.float() * m).sum() / n
+    return -coef * aggregate_loss(entropy, loss_mask, agg, loss_tokens_global=loss_tokens_global,
+                                  num_seqs_global=num_seqs_global, loss_norm_const=loss_norm_const)
 
 
 # ---- the decoupled PPO loss ---------------------------------------------------------------------
@@ -248,9 +477,10 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: float | None,
     behav_mode: Literal["cap", "mask"] = "cap",
     dual_clip_c: float | None = None,
-    loss_tokens_global: int | float | None = None,
-    num_seqs_global: int | float | None = None,
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean",
+    loss_tokens_global: int | float | Tensor | None = None,
+    num_seqs_global: int | float | Tensor | None = None,
+    agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean",
+    loss_norm_const: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO objective (DESIGN invariant 5). Only `logp` carries gradient.
 
@@ -261,11 +491,17 @@ def decoupled_ppo_loss(
     pg = −w·min(r·A, clip(r, 1−ε_low, 1+ε_high)·A); with `dual_clip_c` = c > 1 (Ye et al. 2020) the
     loss of a token with A < 0 is also bounded: pg ← min(pg, −w·c·A).
 
-    Aggregation (`agg`), so that summing the returned losses over micro-batches and data-parallel
-    ranks gives exactly the full-batch loss:
-      "token-mean":          Σ pg·m / loss_tokens_global   (default: Σ m of this call)
-      "seq-mean-token-mean": Σ_seq (Σ_t pg·m / Σ_t m) / num_seqs_global   (rows are sequences)
-      "seq-mean-token-sum":  Σ_seq Σ_t pg·m / num_seqs_global   (Dr.GRPO-style, no length division)
+    Aggregation (`agg`, verl's `loss_agg_mode` names, see `aggregate_loss`), so that summing the
+    returned losses over micro-batches and data-parallel ranks gives exactly the full-batch loss:
+      "token-mean":              Σ pg·m / loss_tokens_global   (default: Σ m of this call)
+      "seq-mean-token-mean":     Σ_seq (Σ_t pg·m / Σ_t m) / num_seqs_global   (rows are sequences)
+      "seq-mean-token-sum":      Σ_seq Σ_t pg·m / num_seqs_global   (no length division)
+      "seq-mean-token-sum-norm": Σ pg·m / loss_norm_const   (Dr.GRPO; default the number of columns)
+
+    Reference: with behav_mode "mask" this is AReaL's `ppo_actor_loss_fn` (cap ↔ behav_imp_weight_cap,
+    dual_clip_c ↔ c_clip); with π_prox = π_behav and dual_clip_c = 3 it is verl's vanilla
+    `compute_policy_loss` — except that verl clamps log r to [−20, 20] and we do not, and that
+    behav_imp_weight_cap None here means w ≡ 1 (AReaL: uncapped w; pass float("inf") for that).
 
     Returns (loss, stats). stats are detached 0-dim float32 tensors over this call's loss tokens
     (no host sync here): clipfrac (fraction of tokens where the clipped term is the active one),
@@ -315,22 +551,9 @@ def decoupled_ppo_loss(
         dual_clipped = torch.zeros_like(clipped)
     pg_loss = behav_imp_weight * pg_loss
 
-    pg_loss_sum = (pg_loss * mask).sum()
-    if agg == "token-mean":
-        if loss_tokens_global is None:
-            loss = pg_loss_sum / mask.sum().clamp(min=1.0)
-        else:
-            loss = pg_loss_sum / max(float(loss_tokens_global), 1.0)
-    elif agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        if pg_loss.dim() != 2:
-            raise ValueError(f"agg={agg!r} needs (sequences, tokens) inputs, got shape {tuple(pg_loss.shape)}")
-        seq_sum = (pg_loss * mask).sum(-1)
-        if agg == "seq-mean-token-mean":
-            seq_sum = seq_sum / mask.sum(-1).clamp(min=1.0)
-        n_seq = float(pg_loss.shape[0]) if num_seqs_global is None else float(num_seqs_global)
-        loss = seq_sum.sum() / max(n_seq, 1.0)
-    else:
-        raise ValueError(f"unknown agg {agg!r}: use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'")
+    pg_loss_sum = torch.where(mask > 0, pg_loss * mask, torch.zeros_like(pg_loss)).sum()
+    loss = aggregate_loss(pg_loss, mask, agg, loss_tokens_global=loss_tokens_global,
+                          num_seqs_global=num_seqs_global, loss_norm_const=loss_norm_const)
 
     with torch.no_grad():
         n_tok = mask.sum()
