@@ -18,20 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
-import aiohttp
 import torch
 
 from areal_like import metrics
+from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
 from areal_like.weights.group import WeightGroup, init_weight_group
 from areal_like.weights.receive import dtype_name
 
 log = logging.getLogger(__name__)
-
-
-class WeightPushError(RuntimeError):
-    pass
 
 
 def make_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -78,19 +73,16 @@ class _FlatBuffers:
         return b
 
 
-class WeightPusher:
+class WeightPusher(ServerAdmin):
     def __init__(self, server_urls: list[str], *, master_addr: str = "127.0.0.1", master_port: int,
                  backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
                  admin_api_key: str | None = None, group_name: str = "weight_update_group",
                  devices_per_server: list[int] | None = None, flattened: bool = True):
-        if not server_urls:
-            raise ValueError("WeightPusher needs at least one server URL")
-        self.server_urls = [u.rstrip("/") for u in server_urls]
+        super().__init__(server_urls, timeout_s=timeout_s, admin_api_key=admin_api_key)
         self.master_addr = master_addr
         self.master_port = master_port
         self.backend = backend
         self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
         self.group_name = group_name
         self.flattened = flattened
         # rank_offset of server k = 1 + Σ devices of servers before k; world = 1 + all devices.
@@ -98,39 +90,10 @@ class WeightPusher:
         if len(self.devices) != len(self.server_urls):
             raise ValueError("devices_per_server must have one entry per server URL")
         self.world_size = 1 + sum(self.devices)
-        self._headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
-        self._session: aiohttp.ClientSession | None = None
         self.group: WeightGroup | None = None
         self._flat = _FlatBuffers()
-        self._begin_end: dict[str, bool] = {}  # server → speaks /begin_weight_update (SGLang ≥ 0.5.21)
 
-    # ---------------------------------------------------------------- HTTP helpers
-    async def _post(self, url: str, path: str, body: dict[str, Any], *, timeout_s: float | None = None,
-                    allow_404: bool = False) -> dict[str, Any] | None:
-        assert self._session is not None, "call init() first"
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
-        try:
-            async with self._session.post(url + path, json=body, headers=self._headers, timeout=timeout) as resp:
-                if allow_404 and resp.status == 404:
-                    return None
-                text = await resp.text()
-                if resp.status != 200:
-                    raise WeightPushError(f"{url}{path} returned HTTP {resp.status}: {text[:500]}")
-                try:
-                    data = await resp.json(content_type=None)
-                except ValueError:
-                    data = {"success": True, "message": text}
-        except asyncio.TimeoutError as e:
-            raise WeightPushError(f"{url}{path} timed out after {timeout.total:.0f}s") from e
-        except aiohttp.ClientError as e:
-            raise WeightPushError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
-        if isinstance(data, dict) and data.get("success") is False:
-            raise WeightPushError(f"{url}{path} reported failure: {data.get('message')}")
-        return data
-
-    async def _all(self, path: str, body: dict[str, Any], **kw) -> list:
-        return await asyncio.gather(*(self._post(u, path, body, **kw) for u in self.server_urls))
-
+    # ---------------------------------------------------------------- collectives
     async def _with_collective(self, http: list[asyncio.Task], collective) -> list:
         """Run the blocking collective on a thread while the servers' replies are pending; an early
         HTTP failure is raised at once instead of after the collective's timeout."""
@@ -151,8 +114,7 @@ class WeightPusher:
     # ---------------------------------------------------------------- API
     async def init(self) -> None:
         """Form the weight group with every server (trainer = rank 0)."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
+        await super().init()
         http = []
         offset = 1
         for url, ndev in zip(self.server_urls, self.devices):
@@ -230,18 +192,6 @@ class WeightPusher:
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total_bytes,
                 "buckets": len(buckets)}
 
-    async def resume(self) -> None:
-        """Continue generation on every server (after a failed push was repaired)."""
-        await self._all("/continue_generation", {})
-
-    async def _begin_or_end(self, path: str) -> None:
-        async def one(url: str):
-            if self._begin_end.get(url) is False:
-                return
-            r = await self._post(url, path, {}, allow_404=True)
-            self._begin_end[url] = r is not None
-        await asyncio.gather(*(one(u) for u in self.server_urls))
-
     async def close(self) -> None:
         """Destroy the group on the servers and here; close the HTTP session."""
         try:
@@ -253,13 +203,4 @@ class WeightPusher:
                 await asyncio.to_thread(self.group.destroy)
                 self.group = None
         finally:
-            if self._session is not None:
-                await self._session.close()
-                self._session = None
-
-    async def __aenter__(self) -> "WeightPusher":
-        await self.init()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
+            await super().close()

@@ -1,0 +1,93 @@
+"""The server-admin HTTP side that both weight pushers share (`WeightPusher`, `DiskWeightPusher`).
+
+One aiohttp session to every generation server's admin routes: POST with the admin bearer token,
+a timeout, and every failure (HTTP status, timeout, connection, `success: false`) raised as a
+`WeightPushError` naming the server and path; fan-out to all servers; the optional
+/begin_weight_update and /end_weight_update around an update (probed once per server, a 404
+means the server does not speak them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Self
+
+import aiohttp
+
+
+class WeightPushError(RuntimeError):
+    pass
+
+
+class ServerAdmin:
+    """Base of the weight pushers: the admin HTTP session to `server_urls`.
+
+    Subclasses extend `init()` / `close()` (calling these) and use `_post`, `_all`, `_begin_or_end`."""
+
+    def __init__(self, servers: list[str], *, timeout_s: float, admin_api_key: str | None):
+        if not servers:
+            raise ValueError(f"{type(self).__name__} needs at least one server URL")
+        self.server_urls = [u.rstrip("/") for u in servers]
+        self.timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._begin_end: dict[str, bool] = {}  # server → speaks /begin_weight_update (SGLang ≥ 0.5.21)
+
+    # ---------------------------------------------------------------- HTTP helpers
+    async def _post(self, url: str, path: str, body: dict[str, Any], *, timeout_s: float | None = None,
+                    allow_404: bool = False) -> dict[str, Any] | None:
+        assert self._session is not None, "call init() first"
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._session.post(url + path, json=body, headers=self._headers, timeout=timeout) as resp:
+                if allow_404 and resp.status == 404:
+                    return None
+                text = await resp.text()
+                if resp.status != 200:
+                    raise WeightPushError(f"{url}{path} returned HTTP {resp.status}: {text[:500]}")
+                try:
+                    data = await resp.json(content_type=None)
+                except ValueError:
+                    data = {"success": True, "message": text}
+        except asyncio.TimeoutError as e:
+            raise WeightPushError(f"{url}{path} timed out after {timeout.total:.0f}s") from e
+        except aiohttp.ClientError as e:
+            raise WeightPushError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
+        if isinstance(data, dict) and data.get("success") is False:
+            raise WeightPushError(f"{url}{path} reported failure: {data.get('message')}")
+        return data
+
+    async def _all(self, path: str, body: dict[str, Any], **kw) -> list:
+        return await asyncio.gather(*(self._post(u, path, body, **kw) for u in self.server_urls))
+
+    async def _begin_or_end(self, path: str) -> None:
+        async def one(url: str):
+            if self._begin_end.get(url) is False:
+                return
+            r = await self._post(url, path, {}, allow_404=True)
+            self._begin_end[url] = r is not None
+        await asyncio.gather(*(one(u) for u in self.server_urls))
+
+    # ---------------------------------------------------------------- API
+    async def init(self) -> None:
+        """Open the HTTP session (once)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+
+    async def resume(self) -> None:
+        """Continue generation on every server (after a failed `WeightPusher` push was repaired;
+        `DiskWeightPusher.push` already does it)."""
+        await self._all("/continue_generation", {})
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> Self:
+        await self.init()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

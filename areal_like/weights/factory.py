@@ -1,0 +1,36 @@
+"""`weights.mode` → the learner's weight pusher (`WeightPusher` or `DiskWeightPusher`, one interface:
+`await init()`, `await push(named_tensors, version) -> {"push_s", "pause_window_s", …}`, `await close()`)."""
+
+from __future__ import annotations
+
+import os
+
+from areal_like.weights.disk import DiskWeightPusher
+from areal_like.weights.push import WeightPusher
+
+DISK_DIR = "weights_disk"  # under the run dir: the versioned checkpoint dirs of `weights.mode=disk`
+
+
+def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_port: int,
+                       incarnation: int) -> WeightPusher | DiskWeightPusher:
+    """The pusher `cfg.weights.mode` asks for, to the servers of `endpoints` (`api.run_files.Endpoints`).
+
+    distributed: bucketed broadcast in a group rank 0 forms on `weight_port`; a fresh group name per
+    incarnation (a learner that died mid-push leaves its group behind on the servers).
+    disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept), configs and
+    tokenizer files copied from `model_path`; `weight_port` and `incarnation` are unused."""
+    mode = cfg.weights.mode
+    if mode == "disk":
+        return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
+                                timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key)
+    if mode == "distributed":
+        devices = endpoints.server_devices
+        if devices is not None:  # per server: a device count, or its device list (count = its length)
+            devices = [len(d) if isinstance(d, (list, tuple)) else int(d) for d in devices]
+        return WeightPusher(
+            endpoints.servers, master_addr="127.0.0.1", master_port=weight_port,
+            backend=endpoints.weight_backend, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
+            timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
+            devices_per_server=devices, group_name=f"weight_update_group_{incarnation}",
+        )
+    raise ValueError(f"weights.mode={mode!r}: use 'distributed' or 'disk'")
