@@ -1,7 +1,7 @@
 """Learner tokens/s vs a plain single-process transformers training step, same model, same batch.
 
     plain:    pad the batch once → model(input_ids, labels) cross-entropy → backward → clip → AdamW
-    learner:  ParallelLearner.train_step (single process): GRPO advantages, token-budget packing,
+    learner:  Trainer.train_step (single process, d1p1t1): GRPO advantages, token-budget packing,
               decoupled-PPO loss with behaviour weights, entropy and the other stats, global-norm
               clip, finite check, LR schedule, AdamW
 
@@ -19,7 +19,6 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
 import torch
 
 
@@ -39,9 +38,9 @@ def main() -> None:
 
     from areal_like.api.config import TrainConfig
     from areal_like.data.tiny_model import build_tiny_model
-    from areal_like.learner.parallel import ParallelLearner
+    from areal_like.learner.batching import pack
     from areal_like.learner.parallel.spawn import synthetic_groups
-    from areal_like.learner.trainer import pack_trajectories
+    from areal_like.learner.trainer import Trainer
 
     tmp = tempfile.mkdtemp(prefix="learner_overhead-")
     model_dir = build_tiny_model(f"{tmp}/m", hidden_size=a.hidden, intermediate_size=2 * a.hidden,
@@ -55,8 +54,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    (mb,) = pack_trajectories(samples, np.zeros(len(samples), np.float32), micro_batch_tokens=1 << 30,
-                              pad_id=model.config.pad_token_id, device=torch.device("cpu"))
+    (mb,) = pack(samples, list(range(len(samples))), micro_batch_tokens=1 << 30, pad_id=model.config.pad_token_id,
+                 device=torch.device("cpu"), single=True)
     labels = mb.input_ids_BT.clone()
     labels[:, 1:][mb.loss_mask_BT1 == 0] = -100
     labels[:, 0] = -100
@@ -69,7 +68,7 @@ def main() -> None:
         opt.step()
         loss.item()  # host sync, as the learner's one per step
 
-    learner = ParallelLearner(model_dir, cfg, None, temperature=1.0)
+    learner = Trainer(model_dir, cfg, None, temperature=1.0)
 
     def learner_step() -> None:
         learner.train_step(groups, version=0)

@@ -2,7 +2,8 @@
 
     python examples/build_demo.py --out runs/_assets
 
-writes OUT/tiny_model/ and OUT/demo_train.parquet (existing ones are kept; --force rebuilds).
+writes OUT/tiny_model/, OUT/demo_train.parquet and OUT/demo_val.parquet (32 validation prompts of their
+own seed) — existing ones are kept; --force rebuilds.
 The launcher calls `ensure_demo_assets(model_dir, train_file)` itself on first use, so running
 this by hand is optional. Nothing is downloaded.
 """
@@ -28,12 +29,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     model_dir = os.path.join(args.out, "tiny_model")
     train_file = os.path.join(args.out, "demo_train.parquet")
+    val_file = os.path.join(args.out, "demo_val.parquet")
     if args.force:
         shutil.rmtree(model_dir, ignore_errors=True)
-        if os.path.exists(train_file):
-            os.remove(train_file)
-    ensure_demo_assets(model_dir, train_file, n_train=args.n_train, seed=args.seed)
-    print(f"model: {model_dir}\ntrain: {train_file}")
+        for f in (train_file, val_file):
+            if os.path.exists(f):
+                os.remove(f)
+    ensure_demo_assets(model_dir, train_file, n_train=args.n_train, seed=args.seed, val_file=val_file)
+    print(f"model: {model_dir}\ntrain: {train_file}\nval: {val_file}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 import urllib.request
 
 from launcher.procs import ProcessTable, end_process_group, free_port
+from areal_like.api.run_files import Endpoints
 
 
 class RunError(RuntimeError):
@@ -181,6 +182,12 @@ class Run:
         if missing_model or missing_data:
             print(f"[launcher] building demo assets (model {cfg.model.path}, data {cfg.data.train_files[0]})", flush=True)
             ensure_demo_assets(cfg.model.path, cfg.data.train_files[0])
+        missing_val = [p for p in cfg.data.val_files if not os.path.exists(p)]
+        if missing_val and not cfg.data.build_demo_if_missing:
+            raise RunError(f"data.val_files: {missing_val} do not exist: fix data.val_files=[…]")
+        for p in missing_val:  # the demo's validation set (32 prompts of its own seed)
+            print(f"[launcher] building demo validation data {p}", flush=True)
+            ensure_demo_assets(None, None, val_file=p)
 
     def _start_redis(self) -> str:
         if self.cfg.buffer.redis_url:
@@ -213,7 +220,8 @@ class Run:
         ports = [cfg.server.base_port + i if cfg.server.base_port else free_port() for i in range(self.n_servers)]
         servers = build_sglang_servers(plan, model_path=cfg.model.path, ports=ports, seeds=cfg.seed,
                                        api_key=cfg.server.api_key, admin_api_key=cfg.server.admin_api_key,
-                                       host=cfg.server.host, supported_flags=sglang_server_flags())
+                                       host=cfg.server.host, supported_flags=sglang_server_flags(),
+                                       enable_metrics=cfg.metrics.prometheus, weight_update=cfg.weights.mode)
         roles = []
         for srv in servers:
             if srv.nnodes > 1:
@@ -241,6 +249,8 @@ class Run:
                     "--dtype", cfg.model.dtype, "--max-batch-size", str(cfg.server.max_batch_size),
                     "--max-context-len", str(cfg.server.max_context_len), "--weight-version", "0",
                     "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads)]
+            if not cfg.metrics.prometheus:
+                argv.append("--disable-metrics")
             if cfg.server.api_key:
                 argv += ["--api-key", cfg.server.api_key]
             if cfg.server.admin_api_key:
@@ -267,25 +277,27 @@ class Run:
             env = self._child_env(redis_url)
             urls = self._start_servers(env)
             sglang = self.alloc.generation.backend == "sglang"
-            endpoints = {"servers": urls, "metrics_ports": {},
-                         # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
-                         "weight_backend": "nccl" if sglang else "gloo",
-                         "server_devices": self._server_devices, "learner_device": self._learner_device}
-            learner_metrics = free_port()
-            endpoints["metrics_ports"]["learner"] = learner_metrics
-            rollout_ports = [free_port() for _ in range(self.cfg.rollout.workers)]
-            for k, p in enumerate(rollout_ports):
-                endpoints["metrics_ports"][f"rollout{k}"] = p
-            with open(os.path.join(self.run_dir, "endpoints.json"), "w") as f:
-                json.dump(endpoints, f, indent=1)
-            self._write_prometheus_targets(urls, endpoints["metrics_ports"])
+            # metrics.prometheus=false: no role gets a metrics port (none serves /metrics).
+            prom = self.cfg.metrics.prometheus
+            learner_metrics = free_port() if prom else None
+            rollout_ports = [free_port() if prom else None for _ in range(self.cfg.rollout.workers)]
+            endpoints = Endpoints(
+                servers=urls,
+                metrics_ports={"learner": learner_metrics, **{f"rollout{k}": p for k, p in enumerate(rollout_ports)}}
+                if prom else {},
+                # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
+                weight_backend="nccl" if sglang else "gloo",
+                server_devices=self._server_devices, learner_device=self._learner_device)
+            endpoints.dump(self.run_dir)
+            self._write_prometheus_targets(urls, endpoints.metrics_ports)
             common = ["--run-dir", self.run_dir]
             self._learner_env = env
             self._learner_metrics_port = learner_metrics
             self._start_learners(incarnation=0)
             for k in range(self.cfg.rollout.workers):
+                port_arg = ["--metrics-port", str(rollout_ports[k])] if rollout_ports[k] else []
                 self.procs.start(f"rollout{k}", [sys.executable, "-m", "areal_like.rollout.worker", *common,
-                                                 "--index", str(k), "--metrics-port", str(rollout_ports[k])], env)
+                                                 "--index", str(k), *port_arg], env)
             rc = self._supervise(t0)
         except RunError as e:
             print(f"launcher run: {e}", file=sys.stderr, flush=True)
@@ -320,7 +332,7 @@ class Run:
         for rank in range(world):
             argv = [sys.executable, "-m", "areal_like.learner.main", "--run-dir", self.run_dir,
                     "--incarnation", str(incarnation), "--weight-sync-port", str(weight_port)]
-            if rank == 0:
+            if rank == 0 and self._learner_metrics_port:
                 argv += ["--metrics-port", str(self._learner_metrics_port)]
             self.procs.start(_learner_role(rank), argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
         self._incarnation = incarnation
@@ -337,7 +349,15 @@ class Run:
         self._start_learners(self._incarnation)
 
     def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int]) -> None:
-        """file_sd targets for dashboards/prometheus.yml: every role's /metrics with a `role` label."""
+        """file_sd targets for dashboards/prometheus.yml: every role's /metrics with a `role` label.
+
+        With metrics.prometheus=false no role serves /metrics: the file holds an empty list."""
+        if not self.cfg.metrics.prometheus:
+            with open(os.path.join(self.run_dir, "prometheus_targets.json"), "w") as f:
+                json.dump([], f)
+            print("[launcher] metrics.prometheus=false: no role serves /metrics (prometheus_targets.json is empty)",
+                  flush=True)
+            return
         targets = [{"targets": [u.split("://", 1)[1]], "labels": {"role": f"server{i}", "run": os.path.basename(self.run_dir)}}
                    for i, u in enumerate(urls)]
         targets += [{"targets": [f"127.0.0.1:{p}"], "labels": {"role": name, "run": os.path.basename(self.run_dir)}}

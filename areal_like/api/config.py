@@ -23,29 +23,44 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+# Built-in `rollout.workflow` names; `areal_like.workflow.WORKFLOWS` maps each to its class (a test
+# keeps the two equal). Listed here so that a bad name fails at load without importing torch.
+WORKFLOW_NAMES: tuple[str, ...] = ("rlvr",)
+
+
 class ModelConfig(_Section):
     path: str = "runs/_assets/tiny_model"
     """HF model directory (config.json + safetensors + tokenizer files)."""
     build_demo_if_missing: bool = True
     """If `path` does not exist, build the tiny demo model there (examples/build_demo.py)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the learner's and the embedded servers' model copies (float32 on CPU)."""
 
 
 class DataConfig(_Section):
     train_files: list[str] = msgspec.field(default_factory=lambda: ["runs/_assets/demo_train.parquet"])
     """verl-format parquet files: `prompt` (text or chat list), `reward_model.ground_truth`, `data_source`."""
     prompt_key: str = "prompt"
+    """Parquet column holding the prompt (verl `data.prompt_key`)."""
     max_prompt_length: int = 256
+    """Prompts longer than this many tokens are dropped at load time (counted, logged once)."""
     shuffle: bool = True
+    """Each epoch visits the prompts in a seeded permutation (top-level `seed`); false = file order."""
     apply_chat_template: bool = False
     """Apply the tokenizer's chat template when `prompt` is a chat list (always when it is a list)."""
     build_demo_if_missing: bool = True
+    """If the first of `train_files` does not exist, build the demo task's parquet there (and the demo's
+    32-prompt validation set at any missing `val_files`)."""
+    val_files: list[str] = msgspec.field(default_factory=list)
+    """Validation parquet files (verl format, like train_files), read in order, never shuffled; empty = no
+    validation. Evaluated every `train.test_freq` steps with the `eval.*` sampling settings."""
 
 
 class RewardFunctionConfig(_Section):
     path: str | None = None
     """Python file defining the reward function; None = the built-in reward for each `data_source`."""
     name: str = "compute_score"
+    """Function in `path`, called as `name(data_source, solution_str, ground_truth, extra_info)` (verl)."""
     timeout_s: float = 10.0
     """A reward call that takes longer counts as reward 0 and is logged; it never stalls rollout."""
 
@@ -54,10 +69,15 @@ class GenerationConfig(_Section):
     n: int = 8
     """Samples per prompt (group size)."""
     max_new_tokens: int = 8
+    """Generated tokens per sample at most (response length limit), in tokens."""
     temperature: float = 1.0
+    """Sampling temperature; behaviour logprobs and the learner's recomputation use the same one."""
     top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 = off (logprobs are not renormalized by it)."""
     top_k: int = -1
+    """Sample only from the k most likely tokens; −1 = off."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    """Token ids that end a sample besides the tokenizer's EOS."""
 
 
 class RolloutConfig(_Section):
@@ -69,19 +89,29 @@ class RolloutConfig(_Section):
     max_concurrent_groups: int = 16
     """Groups in flight per worker (the staleness gate bounds the total across workers)."""
     request_timeout_s: float = 120.0
+    """Seconds one generation request may take; then it fails naming the server and the group is retried."""
     workflow: str = "rlvr"
+    """Workflow that turns one prompt into a group, by name: `rlvr` (single-turn RLVR). An unknown
+    name fails at config load."""
 
 
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
+    """Interface the generation servers bind to (and the address clients use)."""
     base_port: int = 0
-    """0 = pick free ports."""
+    """Port of server 0 (server i gets base_port + i); 0 = pick free ports."""
     max_batch_size: int = 64
+    """Requests decoded together per step by an embedded server (requests)."""
     max_context_len: int = 512
+    """Prompt + generated tokens per request on an embedded server (tokens)."""
     health_timeout_s: float = 120.0
+    """Seconds the launcher waits for each server's /health at start-up (SGLang: at least 900)."""
     api_key: str | None = None
+    """Bearer key the servers require on /generate and /v1/*; None = open."""
     admin_api_key: str | None = None
+    """Bearer key the servers require on weight updates and pause/continue; None = open."""
     device: str = "cpu"
+    """Device of each embedded server: `cpu`, `cuda` or `cuda:N`."""
     torch_threads: int = 1
     """Compute threads per server; on a shared CPU, torch's default (one per core) thrashes ~10×."""
 
@@ -90,29 +120,56 @@ class BufferConfig(_Section):
     redis_url: str | None = None
     """None = the launcher starts its own redis-server (AOF on, 127.0.0.1, password) in the run dir."""
     password_env: str = "AREAL_LIKE_REDIS_PASSWORD"
+    """Environment variable read for the Redis password when `redis_url` carries none."""
     stream: str = "areal_like"
     """Key prefix for the stream and the gate's keys."""
     max_groups: int = 1024
     """Back-pressure: producers wait while the stream holds more unconsumed groups than this."""
     block_ms: int = 1000
+    """Milliseconds one learner read blocks waiting for new groups before it looks for a stop."""
     socket_timeout_s: float = 10.0
+    """Seconds every Redis call may take (must exceed block_ms/1000 + 1); a timeout names the key."""
 
 
 class TrainConfig(_Section):
     batch_size: int = 4
     """B: groups per training step (each of `generation.n` samples)."""
     total_steps: int = 40
+    """Training steps (one policy version each) before the run ends."""
     lr: float = 1e-3
+    """AdamW learning rate (the peak, after warm-up)."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     adam_betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (β1, β2)."""
     adam_eps: float = 1e-8
+    """AdamW ε."""
     grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this before each optimizer step; ≤ 0 = no clipping."""
     eps_clip_low: float = 0.2
+    """PPO clip below: the ratio π_θ/π_prox is clipped at 1 − eps_clip_low."""
     eps_clip_high: float = 0.28
+    """PPO clip above (DAPO clip-higher): the ratio is clipped at 1 + eps_clip_high."""
     behav_imp_weight_cap: float | None = 5.0
     """Cap on π_prox/π_behav; None disables the behaviour correction."""
     behav_imp_weight_mode: Literal["cap", "mask"] = "cap"
-    adv_norm: Literal["grpo", "drgrpo"] = "grpo"
+    """Tokens whose π_prox/π_behav exceeds the cap are `cap`ped to it or `mask`ed out of the loss."""
+    dual_clip_c: float | None = None
+    """Dual clip (Ye et al. 2020; AReaL's `c_clip`): bound the loss of tokens with A < 0 at −c·A; None = off."""
+    ppo_epochs: int = 1
+    """Passes over a step's batch (AReaL/verl `ppo_epochs`)."""
+    ppo_minibatches: int = 1
+    """Optimizer steps per pass: the batch is split into this many minibatches (AReaL's
+    `ppo_n_minibatches`), so π_θ moves away from π_prox within a step and the clip binds."""
+    proximal: Literal["recompute", "loglinear", "behaviour"] = "recompute"
+    """π_prox of the decoupled loss: `recompute` (learner's logprobs with the step's starting weights,
+    AReaL's default), `loglinear` (interpolated from per-token versions, no extra forward pass),
+    `behaviour` (π_prox = π_behav: standard PPO without the decoupled correction)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+        "token-mean"
+    """How per-token losses become the minibatch loss (verl's `loss_agg_mode` names)."""
+    loss_norm_const: float | None = None
+    """Divisor of `seq-mean-token-sum-norm` (Dr.GRPO's constant); None = generation.max_new_tokens."""
     max_consume_staleness: int | None = None
     """Consume-time guard: groups older than this many versions (None = η from rollout) are …"""
     consume_stale_policy: Literal["drop", "keep"] = "drop"
@@ -124,6 +181,7 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """LR after warm-up: constant, or linear/cosine decay to lr·min_lr_ratio at total_steps."""
     min_lr_ratio: float = 0.0
+    """Floor of the linear/cosine decay, as a fraction of lr."""
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule over micro-batches when the allocation's training side has p > 1."""
     pp_microbatches: int = 0
@@ -141,12 +199,106 @@ class TrainConfig(_Section):
     collective_timeout_s: float = 300.0
     """Timeout of every learner-pool collective (process sub-groups, pipeline send/recv)."""
     seed: int = 1
+    """torch seed of the learner ranks (the same on every rank: identical RNG streams)."""
+    test_freq: int = 0
+    """Validate (`data.val_files`, settings in `eval.*`) the weights pushed after every test_freq-th step;
+    0 = never. Alias: `trainer.test_freq` (verl)."""
+    val_before_train: bool = False
+    """Also validate the starting weights (version 0) before step 1. Alias: `trainer.val_before_train`."""
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                           "gae"] = "grpo"
+    """Advantage estimator (verl's names). `gae` trains a critic (see `critic.*`)."""
+    gamma: float = 1.0
+    """Discount of GAE and REINFORCE++ returns."""
+    lam: float = 1.0
+    """GAE's λ."""
+    kl_estimator: Literal["k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    """KL(π ‖ π_ref) estimator for the KL loss, the KL reward and the reported KL (`low_var_kl` = k3
+    clamped to [−10, 10], as verl)."""
+    use_kl_loss: bool = False
+    """Load the reference model and add kl_loss_coef·KL to the loss (on also when kl_loss_coef > 0)."""
+    kl_loss_coef: float = 0.0
+    """β of the KL-to-reference loss term (verl `actor.kl_loss_coef`)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_reward_coef·KL from the token rewards (on also when kl_reward_coef > 0)."""
+    kl_reward_coef: float = 0.0
+    """β of the KL penalty in the reward (verl `algorithm.kl_ctrl.kl_coef`)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (verl `entropy_coeff`); 0 = off (entropy is still reported)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (acked, counted `filtered`) and
+    fill the step from further groups."""
+    filter_groups_max_extra: int = 64
+    """At most this many extra groups are read per step to replace filtered ones; then the step
+    trains on what it has."""
+
+    @property
+    def kl_loss_on(self) -> bool:
+        return self.use_kl_loss or self.kl_loss_coef > 0
+
+    @property
+    def kl_reward_on(self) -> bool:
+        return self.use_kl_in_reward or self.kl_reward_coef > 0
+
+
+class CriticConfig(_Section):
+    path: str | None = None
+    """Model dir the critic (value head on the same architecture) starts from; None = model.path."""
+    lr: float | None = None
+    """Critic learning rate; None = train.lr."""
+    value_clip: float | None = 0.5
+    """Clip range of the value loss around the old values (verl `cliprange_value`); None = unclipped."""
+    loss_coef: float = 1.0
+    """Scale of the value loss (its own optimizer: it only sets the gradient scale)."""
+
+
+class RefConfig(_Section):
+    path: str | None = None
+    """Frozen reference model for the KL terms; None = the actor's initial weights (model.path)."""
+
+
+class RewardShapingConfig(_Section):
+    overlong_buffer_len: int = 0
+    """DAPO soft overlong punishment: the last this many tokens before generation.max_new_tokens
+    ramp the reward down by up to overlong_penalty_factor; 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """Largest reward reduction of the overlong ramp (DAPO's penalty factor), reached at max_new_tokens."""
+
+
+class EvalConfig(_Section):
+    """Validation during training: the learner's current weights answer every validation prompt on the
+    generation servers, between steps (the servers hold that version meanwhile: the staleness bound is
+    untouched); mean@n and pass@n per `data_source` go to metrics.jsonl (`val/…`) and Prometheus."""
+
+    n: int = 4
+    """Samples per validation prompt (the k of mean@k / pass@k). Alias: `actor_rollout_ref.rollout.val_kwargs.n`."""
+    temperature: float = 1.0
+    """Sampling temperature of validation samples. Alias: `actor_rollout_ref.rollout.val_kwargs.temperature`."""
+    top_p: float = 1.0
+    """Nucleus sampling of validation samples. Alias: `actor_rollout_ref.rollout.val_kwargs.top_p`."""
+    max_new_tokens: int | None = None
+    """Token budget of a validation sample; None = generation.max_new_tokens."""
+    max_prompts: int | None = None
+    """Validate on the first this many prompts of `data.val_files`; None = all of them."""
+    pass_threshold: float = 1.0
+    """A sample passes (for pass@n) when its reward is ≥ this."""
+    timeout_s: float = 600.0
+    """How long the learner waits for an evaluation's results before it fails, naming the evaluator."""
 
 
 class WeightSyncConfig(_Section):
     mode: Literal["distributed", "disk"] = "distributed"
+    """How new weights reach the servers after each step: `distributed` (bucketed torch.distributed
+    broadcast, NCCL/gloo) or `disk` (learner rank 0 writes an HF safetensors dir under
+    `<run dir>/weights_disk/`, the servers load it with /update_weights_from_disk)."""
     bucket_mb: float = 512.0
+    """Bucket size of the distributed push, in MiB (tensors are broadcast in buckets of at most this)."""
     timeout_s: float = 120.0
+    """Seconds one weight-sync step (group set-up, one bucket, one disk load) may take; then it fails
+    naming the server."""
 
 
 class LauncherConfig(_Section):
@@ -159,24 +311,49 @@ class LauncherConfig(_Section):
 
 class MetricsConfig(_Section):
     prometheus: bool = True
-    """Each role serves /metrics on its own port (recorded in the run dir's ports.json)."""
+    """Each role serves /metrics on its own port (listed in the run dir's prometheus_targets.json);
+    false = no role serves /metrics and no targets are written."""
 
 
 class ExperimentConfig(_Section):
     experiment_name: str = "demo"
+    """Name of the experiment; the default run dir is `runs/<experiment_name>-<date>-<time>`."""
     seed: int = 1
+    """Seed of the rollout side: prompt order, per-sample sampling seeds; server i gets seed + i."""
     allocation: str = "embedded.d1p1t1+d1p1t1"
+    """AReaL allocation string `<generation>+<training>` (see `launcher plan`); `--allocation` sets it."""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """The policy model (`model.*`)."""
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    """Training prompts (`data.*`)."""
     custom_reward_function: RewardFunctionConfig = msgspec.field(default_factory=RewardFunctionConfig)
+    """Your own reward function (verl's `custom_reward_function.*`)."""
     generation: GenerationConfig = msgspec.field(default_factory=GenerationConfig)
+    """Sampling parameters of rollout generation (`generation.*`)."""
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    """Rollout workers and the staleness bound (`rollout.*`)."""
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    """Generation servers (`server.*`)."""
     buffer: BufferConfig = msgspec.field(default_factory=BufferConfig)
+    """Redis replay buffer (`buffer.*`)."""
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    """Learner: optimizer, PPO loss, schedule, checkpoints (`train.*`)."""
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    """Advantage estimator, KL and entropy terms, dynamic sampling (`algorithm.*`)."""
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
+    """Value model, used with `algorithm.adv_estimator=gae` (`critic.*`)."""
+    ref: RefConfig = msgspec.field(default_factory=RefConfig)
+    """Frozen reference model for the KL terms (`ref.*`)."""
+    reward: RewardShapingConfig = msgspec.field(default_factory=RewardShapingConfig)
+    """Reward shaping applied after scoring (`reward.*`)."""
     weights: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    """Weight sync from the learner to the servers (`weights.*`)."""
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    """Prometheus metrics (`metrics.*`)."""
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
+    """Supervision by `launcher run` (`launcher.*`)."""
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    """Validation during training on `data.val_files` every `train.test_freq` steps (`eval.*`)."""
 
     def validate(self) -> None:
         """Cross-field checks; each error says which setting to change."""
@@ -188,6 +365,9 @@ class ExperimentConfig(_Section):
             raise ConfigError("train.batch_size (groups per step) must be ≥ 1: set train.batch_size=4")
         if self.rollout.workers < 1:
             raise ConfigError("rollout.workers must be ≥ 1")
+        if self.rollout.workflow not in WORKFLOW_NAMES:
+            raise ConfigError(f"rollout.workflow={self.rollout.workflow!r} is not a known workflow: use one of "
+                              f"{', '.join(WORKFLOW_NAMES)} (e.g. rollout.workflow=rlvr)")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
         if self.launcher.max_learner_restarts > 0 and self.train.save_freq <= 0:
@@ -195,6 +375,35 @@ class ExperimentConfig(_Section):
                               "(or larger)")
         if self.generation.max_new_tokens < 1:
             raise ConfigError("generation.max_new_tokens must be ≥ 1")
+        if self.train.ppo_epochs < 1 or self.train.ppo_minibatches < 1:
+            raise ConfigError("train.ppo_epochs and train.ppo_minibatches must be ≥ 1: set train.ppo_minibatches=1")
+        if self.train.ppo_minibatches > self.train.batch_size * self.generation.n:
+            raise ConfigError(f"train.ppo_minibatches={self.train.ppo_minibatches} is more than the "
+                              f"{self.train.batch_size * self.generation.n} samples of a step: lower it")
+        if self.algorithm.kl_loss_coef < 0 or self.algorithm.kl_reward_coef < 0:
+            raise ConfigError("algorithm.kl_loss_coef / kl_reward_coef must be ≥ 0")
+        if self.algorithm.filter_groups_max_extra < 0:
+            raise ConfigError("algorithm.filter_groups_max_extra must be ≥ 0")
+        r = self.reward
+        if r.overlong_buffer_len < 0 or r.overlong_buffer_len > self.generation.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer_len={r.overlong_buffer_len} must be in 0..generation."
+                              f"max_new_tokens ({self.generation.max_new_tokens}): set reward.overlong_buffer_len=0")
+        if not 0 <= self.algorithm.lam <= 1 or not 0 <= self.algorithm.gamma <= 1:
+            raise ConfigError("algorithm.gamma and algorithm.lam must be in [0, 1]")
+        if self.train.test_freq < 0:
+            raise ConfigError(f"train.test_freq={self.train.test_freq} must be ≥ 0 (0 = no validation): "
+                              f"set train.test_freq=0")
+        if (self.train.test_freq > 0 or self.train.val_before_train) and not self.data.val_files:
+            raise ConfigError("train.test_freq > 0 / train.val_before_train need validation prompts: set "
+                              "data.val_files=[path/to/val.parquet] (or train.test_freq=0)")
+        if self.eval.n < 1:
+            raise ConfigError(f"eval.n={self.eval.n} (samples per validation prompt) must be ≥ 1: set eval.n=4")
+        if self.eval.max_new_tokens is not None and self.eval.max_new_tokens < 1:
+            raise ConfigError("eval.max_new_tokens must be ≥ 1 (or null = generation.max_new_tokens)")
+        if self.eval.max_prompts is not None and self.eval.max_prompts < 1:
+            raise ConfigError("eval.max_prompts must be ≥ 1 (or null = every validation prompt)")
+        if self.eval.timeout_s <= 0:
+            raise ConfigError("eval.timeout_s must be > 0")
 
 
 # Names users already know → our key. Applied to file keys and to overrides alike.
@@ -214,6 +423,43 @@ ALIASES: dict[str, str] = {
     "total_training_steps": "train.total_steps",
     "trainer.total_training_steps": "train.total_steps",
     "total_steps": "train.total_steps",
+    # PPO structure (AReaL / verl)
+    "actor.ppo_n_minibatches": "train.ppo_minibatches",
+    "ppo_n_minibatches": "train.ppo_minibatches",
+    "actor.ppo_epochs": "train.ppo_epochs",
+    "actor_rollout_ref.actor.ppo_epochs": "train.ppo_epochs",
+    "actor.eps_clip": "train.eps_clip_low",
+    "actor.eps_clip_higher": "train.eps_clip_high",
+    "actor_rollout_ref.actor.clip_ratio_low": "train.eps_clip_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "train.eps_clip_high",
+    "actor_rollout_ref.actor.clip_ratio_c": "train.dual_clip_c",
+    "actor.c_clip": "train.dual_clip_c",
+    "actor.behav_imp_weight_cap": "train.behav_imp_weight_cap",
+    "actor_rollout_ref.actor.loss_agg_mode": "train.loss_agg_mode",
+    "actor.loss_agg_mode": "train.loss_agg_mode",
+    "actor_rollout_ref.actor.optim.lr": "train.lr",
+    # algorithm
+    "adv_estimator": "algorithm.adv_estimator",
+    "actor_rollout_ref.actor.use_kl_loss": "algorithm.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef": "algorithm.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type": "algorithm.kl_estimator",
+    "actor.kl_ctl": "algorithm.kl_loss_coef",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_reward_coef",
+    "algorithm.kl_penalty": "algorithm.kl_estimator",
+    "actor_rollout_ref.actor.entropy_coeff": "algorithm.entropy_coef",
+    "algorithm.filter_groups.enable": "algorithm.filter_groups",
+    "critic.optim.lr": "critic.lr",
+    "critic.cliprange_value": "critic.value_clip",
+    "critic.model.path": "critic.path",
+    "actor_rollout_ref.ref.model.path": "ref.path",
+    "reward_model.overlong_buffer.len": "reward.overlong_buffer_len",
+    "reward_model.overlong_buffer.penalty_factor": "reward.overlong_penalty_factor",
+    # validation (verl trainer.* / val_kwargs)
+    "trainer.test_freq": "train.test_freq",
+    "trainer.val_before_train": "train.val_before_train",
+    "actor_rollout_ref.rollout.val_kwargs.n": "eval.n",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": "eval.temperature",
+    "actor_rollout_ref.rollout.val_kwargs.top_p": "eval.top_p",
 }
 
 

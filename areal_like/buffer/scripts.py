@@ -8,13 +8,16 @@ script may touch all of them atomically:
                            field `r` = "1" on a group re-added after a Redis restart
     {p}:version    STRING  policy version v (set by the learner after weights landed everywhere)
     {p}:counters   HASH    accepted, duplicates, acked, reclaimed, dropped:<reason>, stale_kept,
-                           readded_after_restart, lost_after_restart, recommitted_after_restart
+                           readded_after_restart, lost_after_restart, recommitted_after_restart,
+                           gate_credit (groups dropped as `filtered` and replaced by the learner)
     {p}:running    ZSET    gate slots held by groups being generated; member = slot id (the group
                            id the worker will produce), score = acquire time (ms, Redis clock)
     {p}:gid:<id>   STRING  idempotency marker of an accepted group (value = its entry id; TTL)
     {p}:trained    ZSET    group ids committed by the learner (score = commit time, ms, Redis
                            clock), written in the same script as their XACK; pruned after a TTL
     {p}:committed:<consumer>  STRING  the highest learner step committed by that consumer
+    {p}:eval:request, {p}:eval:result  STRING  the learner ↔ evaluator validation handshake
+                           (no script touches them; buffer/eval_channel.py owns them)
 
 The scripts use only commands allowed in scripts and Redis's own clock (TIME), so every client on
 every host sees one ordering and one time.
@@ -201,6 +204,9 @@ for i = 3, #ARGV do
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], n) end
+-- A group dropped by DAPO's dynamic sampling is replaced by an extra read of the learner: it hands
+-- its place back to the staleness gate (capacity + gate_credit), in the same atomic step as the ack.
+if n > 0 and ARGV[2] == 'dropped:filtered' then redis.call('HINCRBY', KEYS[2], 'gate_credit', n) end
 return n
 """)
 
@@ -243,14 +249,16 @@ return {xlen, pending, oldest, now_ms, redis.call('GET', KEYS[3]) or '0', redis.
 
 # ---- staleness gate ------------------------------------------------------------------------------
 # KEYS: version, counters, running   ARGV: slot, eta, batch_size
-# Invariant 2: start a group only while accepted + running + 1 ≤ (η + v + 1)·B — checked and
+# Invariant 2: start a group only while accepted + running + 1 ≤ (η + v + 1)·B + credit — checked and
 # incremented in one atomic step. Idempotent: a slot already held is granted again (a retried call).
+# credit (counters.gate_credit) = groups the learner dropped as `filtered` and replaced by an extra
+# read (DAPO dynamic sampling), so the learner still consumes B entries per version net.
 # Returns {granted 0|1, v, accepted, running (after), capacity}.
 TRY_ACQUIRE = LuaScript("gate_try_acquire", """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
 local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
 local running = redis.call('ZCARD', KEYS[3])
-local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3])
+local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3]) + tonumber(redis.call('HGET', KEYS[2], 'gate_credit') or '0')
 if redis.call('ZSCORE', KEYS[3], ARGV[1]) then return {1, v, accepted, running, cap} end
 if accepted + running + 1 <= cap then
   local t = redis.call('TIME')
@@ -264,7 +272,8 @@ return {0, v, accepted, running, cap}
 GATE_STATE = LuaScript("gate_state", """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
 local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
-return {v, accepted, redis.call('ZCARD', KEYS[3]), (tonumber(ARGV[1]) + v + 1) * tonumber(ARGV[2])}
+local credit = tonumber(redis.call('HGET', KEYS[2], 'gate_credit') or '0')
+return {v, accepted, redis.call('ZCARD', KEYS[3]), (tonumber(ARGV[1]) + v + 1) * tonumber(ARGV[2]) + credit}
 """)
 
 # KEYS: running, trained   ARGV: prefix, slot ids — after a Redis restart the gate re-asserts the

@@ -55,7 +55,7 @@ def demo_compute_score(solution_str: str, ground_truth: str) -> float:
     return 0.0
 
 
-def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0) -> str:
+def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: str = "train") -> str:
     """Write `n_train` demo examples as verl-format parquet to `out_path`; returns the path.
 
     Columns: prompt (str), data_source, reward_model {ground_truth, style}, extra_info {index, split}.
@@ -71,7 +71,7 @@ def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0) -> str:
             "prompt": [p for p, _ in rows],
             "data_source": [DEMO_DATA_SOURCE] * n_train,
             "reward_model": [{"ground_truth": a, "style": "rule"} for _, a in rows],
-            "extra_info": [{"index": i, "split": "train"} for i in range(n_train)],
+            "extra_info": [{"index": i, "split": split} for i in range(n_train)],
         }
     )
     d = os.path.dirname(os.path.abspath(out_path))
@@ -87,11 +87,16 @@ DEMO_MODEL_KWARGS = dict(hidden_size=64, intermediate_size=128, num_layers=2, nu
                          tie_word_embeddings=False)
 
 
-def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train: int = 2048, seed: int = 0) -> None:
-    """Build the tiny demo model in `model_dir` and the demo parquet at `train_file` where missing.
+DEMO_VAL_SEED = 1_000_003  # validation prompts are drawn from their own stream, not the train file's
+
+
+def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train: int = 2048, seed: int = 0,
+                       val_file: str | None = None, n_val: int = 32, val_seed: int = DEMO_VAL_SEED) -> None:
+    """Build the tiny demo model in `model_dir`, the demo parquet at `train_file` and a validation
+    parquet of `n_val` prompts (its own seed; extra_info.split = "val") at `val_file` where missing.
 
     Idempotent: an existing model directory (has config.json) or parquet file is left untouched.
-    Either argument may be None to skip it. The model is written to a temporary directory and
+    Any path may be None to skip it. The model is written to a temporary directory and
     renamed, so two launchers racing on first use never load a half-written model.
     """
     if model_dir and not os.path.exists(os.path.join(model_dir, "config.json")):
@@ -116,3 +121,5 @@ def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train
             shutil.rmtree(tmp, ignore_errors=True)
     if train_file and not os.path.exists(train_file):
         build_demo_task(train_file, n_train=n_train, seed=seed)
+    if val_file and not os.path.exists(val_file):
+        build_demo_task(val_file, n_train=n_val, seed=val_seed, split="val")

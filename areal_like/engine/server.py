@@ -3,7 +3,7 @@
     python -m areal_like.engine.server --model-path DIR --host 127.0.0.1 --port P [--device cpu|cuda]
         [--dtype float32|bfloat16] [--max-batch-size 64] [--max-context-len 512] [--weight-version 0]
         [--random-seed S] [--api-key K] [--admin-api-key K] [--torch-threads N] [--max-prefill-tokens N]
-        [--served-model-name NAME]
+        [--served-model-name NAME] [--disable-metrics]
 
 aiohttp on uvloop. This module parses and validates requests, tokenizes text, and shapes replies
 (SGLang native protocol here, OpenAI-compatible /v1/* in `openai_api`); the scheduler (continuous
@@ -128,7 +128,8 @@ class GenerationServer:
         r.add_post("/update_weights_from_disk", self.update_disk)
         r.add_post("/begin_weight_update", self.begin_end)
         r.add_post("/end_weight_update", self.begin_end)
-        r.add_get("/metrics", self.metrics)
+        if not self.args.disable_metrics:  # metrics.prometheus=false: no /metrics (404)
+            r.add_get("/metrics", self.metrics)
         OpenAIRoutes(self).add_to(app)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -690,6 +691,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--health-timeout-s", type=float, default=20.0)
     p.add_argument("--weight-sync-timeout-s", type=float, default=300.0, help="collective timeout of weight groups")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--disable-metrics", action="store_true", help="do not serve Prometheus /metrics")
     args = p.parse_args(argv)
     if args.max_batch_size < 1 or args.max_context_len < 2:
         p.error("--max-batch-size must be ≥ 1 and --max-context-len ≥ 2")

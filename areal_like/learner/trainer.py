@@ -1,488 +1,743 @@
-"""The single-process learner: one decoupled-PPO training step on a batch of trajectory groups.
+"""`Trainer`: the one RL trainer — decoupled PPO over a DP × PP × TP learner pool (one process is d1p1t1).
 
-    groups ─► flatten ─► advantages (per group) ─► pack (token budget) ─► count loss tokens
-           ─► π_prox (no_grad, weights before the update) ─► forward/backward per micro-batch
-           ─► clip ─► finite check ─► optimizer step ─► stats
+Every rank of the pool runs the same code on the same global batch of groups:
 
-Alignment (the trap of every RL trainer): the logits at position t predict token t+1, while a
-`Trajectory` stores the behaviour logprob and loss mask of a token *at that token's own position*.
-So every per-token quantity here lives on token positions 1..T−1 (suffix `_BT1`), and logits
-0..T−2 are scored against ids 1..T−1. Position 0 has no prediction and is never a loss token.
+    groups (identical on every rank: rank 0 read them, `broadcast_groups` sent msgpack bytes)
+      ─► samples, rewards (+ DAPO overlong shaping) ─► minibatches (train.ppo_minibatches)
+      ─► this dp rank's share of every minibatch                  (batching.py; token-balanced)
+      ─► forward-only passes over the share, before any update:
+           π_prox (train.proximal=recompute, when a step has > 1 optimizer step), π_ref (any KL on),
+           V_old (critic, adv_estimator=gae)
+      ─► advantages (algorithm.adv_estimator; KL-in-reward; whitening with dp-global moments)
+      ─► for each epoch, for each minibatch:                       (train.ppo_epochs × ppo_minibatches)
+           actor: forward/backward (micro-batches, or a 1F1B/GPipe schedule when p > 1; TP inside)
+                  ─► dp gradient all-reduce ─► global grad norm, clip ─► finite check ─► AdamW step
+           critic: the same with the clipped value loss, its own optimizer and LR
+      ─► stats reduced over dp and pp
 
-Padding: batches are right-padded and run *without* an attention mask — with causal attention a
-real token never attends to the padding after it, so a sequence's logits are the same padded or
-not, and splitting a batch into micro-batches changes no gradient (tests check this to 1e-6).
+π_prox: `recompute` is AReaL's default — the learner's logprobs with the step's starting weights.
+With one optimizer step per train_step the weights being differentiated *are* those weights, so
+π_θ.detach() is used and the extra forward pass is skipped (identical up to float rounding).
+`loglinear` interpolates from per-token versions (no forward pass); `behaviour` sets π_prox = π_behav.
 
-Role: `Learner` is the plain single-process reference that the learner pool
-(`learner/parallel`, which runs every training job, one rank included) is tested against for
-numerical equivalence; the batching helpers here (`pack_trajectories`, `batch_plan`, `lr_at`) are
-shared by both, so the two cannot drift apart in what they train on.
+The actor, the critic (a value head on the same architecture) and the frozen reference share the
+layout: each is a `_ModelShard` — this rank's pipeline stage of the model, TP-sharded, with its own
+optimizer and dp reducer. Only the last pipeline stage computes losses, advantages and the outputs
+of forward-only passes; the others move activations.
 
-What this module does not do: no parallelism (the pool applies DP×PP×TP to the same plain HF model
-from outside), no Redis, no weight push transport (it only hands out named tensors), no rollout.
+What this module does not do: no buffer reads (the caller passes groups), no weight transport
+(`named_tensors_for_push` hands full tensors to rank 0's pusher), no process-group init; batching,
+the LR schedule and checkpoints live beside it (batching.py, schedule.py, checkpoint.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
+import math
 import time
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+import torch.distributed as dist
+from torch import nn
 
-from areal_like.api.config import TrainConfig
+from areal_like.api.config import (
+    AlgorithmConfig,
+    CriticConfig,
+    ExperimentConfig,
+    RefConfig,
+    RewardShapingConfig,
+    TrainConfig,
+)
 from areal_like.api.trajectory import Trajectory, TrajectoryGroup
-from areal_like.learner.algorithms import decoupled_ppo_loss, entropy_from_logits, grpo_advantages
+from areal_like.learner import algorithms as A
+from areal_like.learner.batching import (
+    CH_ADV,
+    CH_BEHAV,
+    CH_IDS,
+    CH_MASK,
+    CH_OLD_VALUE,
+    CH_PROX,
+    CH_REF,
+    CH_RETURN,
+    CH_VERSION,
+    NUM_CHANNELS,
+    SampleArrays,
+    dp_share,
+    loss_tokens_of,
+    minibatches,
+    pack,
+    step_skip_reason,
+    unpack_rows,
+)
 from areal_like.learner.logprobs import token_logprobs_from_logits
+from areal_like.learner.parallel.layout import LayoutSpec, ParallelLayout
+from areal_like.learner.parallel.parallelize import (
+    DataParallelReducer,
+    build_pipeline_schedule,
+    local_tensor,
+    parallelize_model,
+    stage_layer_ids,
+)
+from areal_like.learner.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
-CKPT_MODEL_FILE = "model.safetensors"
-CKPT_STATE_FILE = "trainer_state.pt"
-CKPT_META_FILE = "meta.json"
-CKPT_FORMAT = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def step_skip_reason(loss_tokens: int, grad_norm: float, loss: float) -> str:
-    """The finite check of a training step: why its optimizer step must be skipped ("" = it may run)."""
-    if loss_tokens == 0:
-        return "no loss tokens in the batch"
-    if not np.isfinite(grad_norm):
-        return f"non-finite grad norm ({grad_norm})"
-    if not np.isfinite(loss):
-        return f"non-finite loss ({loss})"
-    return ""
+# Actor stats: token-weighted sums (each micro-batch adds mean × its share of the minibatch's loss
+# tokens) and maxima; reduced over pp and dp, then averaged over the step's optimizer steps.
+_SUM_STATS = ("loss", "clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "behav_tokens_capped", "dual_clipfrac",
+              "entropy", "kl_ref", "adv_abs_mean")
+_MAX_STATS = ("behav_w_max", "ratio_max", "neg_behav_w_min")
 
 
-def publish_checkpoint_dir(tmp: str, path: str, meta_bytes: bytes) -> None:
-    """Finish a checkpoint written into `tmp`: meta.json last (fsynced), then swap `tmp` in as `path`.
+class _ModelShard:
+    """One model of the trainer on this rank: its pipeline stage, TP-sharded; optimizer if trainable.
 
-    A directory without meta.json is never a checkpoint, so a crash at any point leaves either the
-    old checkpoint or the new one, never a half-written one under `path`."""
-    with open(os.path.join(tmp, CKPT_META_FILE), "wb") as f:
-        f.write(meta_bytes)
-        f.flush()
-        os.fsync(f.fileno())
-    old = f"{path}.old"
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-# Files of an HF dir that `save_pretrained` writes itself; everything else (tokenizer) is copied over.
-_HF_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
-
-
-@dataclass
-class MicroBatch:
-    """One right-padded forward/backward unit. Tensors are on the learner's device."""
-
-    input_ids_BT: torch.Tensor  # (B, T) int64, padded with pad_id on the right
-    loss_mask_BT1: torch.Tensor  # (B, T−1) float32: mask of tokens 1..T−1
-    logp_behav_BT1: torch.Tensor  # (B, T−1) float32: π_behav of tokens 1..T−1 (server's logprobs)
-    advantages_BT1: torch.Tensor  # (B, T−1) float32: sequence advantage broadcast over loss tokens
-    rows: list[int]  # indices into the flattened sample list
-    num_tokens: int  # real (unpadded) tokens
-
-
-@dataclass
-class PackedBatch:
-    micro_batches: list[MicroBatch]
-    num_tokens: int  # real tokens of the global batch
-    loss_tokens: int  # loss tokens of the global batch (the loss denominator)
-    num_samples: int
-    num_groups: int
-    rewards_N: np.ndarray  # float64 (N,)
-    advantages_N: np.ndarray  # float32 (N,)
-    version_lag_max: int  # policy version − oldest generated token's version; −1 if unknown
-
-
-def pack_trajectories(
-    samples: list[Trajectory], advantages_N: np.ndarray, *, micro_batch_tokens: int, pad_id: int, device: torch.device
-) -> list[MicroBatch]:
-    """Right-padded micro-batches whose padded size B×T_max stays within `micro_batch_tokens`.
-
-    Samples are sorted by length (longest first, stable) and packed greedily, which keeps padding low
-    and the split deterministic; a sample longer than the budget gets a micro-batch of its own.
+    Full-model names/shapes are kept in push order (what `save_pretrained` writes), so full tensors
+    can be gathered on rank 0 with HF names whatever the layout.
     """
-    order = sorted(range(len(samples)), key=lambda i: -samples[i].num_tokens)
-    groups_of_rows: list[list[int]] = []
-    cur: list[int] = []
-    cur_max = 0
-    for i in order:
-        n = samples[i].num_tokens
-        new_max = max(cur_max, n)
-        if cur and new_max * (len(cur) + 1) > micro_batch_tokens:
-            groups_of_rows.append(cur)
-            cur, new_max = [], n
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        groups_of_rows.append(cur)
 
-    out = []
-    for rows in groups_of_rows:
-        T = max(2, max(samples[i].num_tokens for i in rows))
-        B = len(rows)
-        ids = np.full((B, T), pad_id, dtype=np.int64)
-        mask = np.zeros((B, T), dtype=np.float32)
-        behav = np.zeros((B, T), dtype=np.float32)
-        adv = np.zeros((B, T), dtype=np.float32)
-        for b, i in enumerate(rows):
-            t = samples[i]
-            n = t.num_tokens
-            ids[b, :n] = t.ids_np()
-            mask[b, :n] = t.mask_np()
-            behav[b, :n] = t.logprobs_np()
-            adv[b, :n] = advantages_N[i]
-        adv *= mask
-        out.append(
-            MicroBatch(
-                input_ids_BT=torch.from_numpy(ids).to(device),
-                # Drop position 0: it has no logit predicting it (see module docstring).
-                loss_mask_BT1=torch.from_numpy(mask[:, 1:].copy()).to(device),
-                logp_behav_BT1=torch.from_numpy(behav[:, 1:].copy()).to(device),
-                advantages_BT1=torch.from_numpy(adv[:, 1:].copy()).to(device),
-                rows=rows,
-                num_tokens=sum(samples[i].num_tokens for i in rows),
-            )
-        )
-    return out
+    def __init__(self, hf_model: nn.Module, layout: ParallelLayout, *, trainable: bool, out_dim: int | None,
+                 train_cfg: TrainConfig) -> None:
+        self.layout = layout
+        self.config = hf_model.config
+        self.out_dim = out_dim
+        self.tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+        persistent = set(hf_model.state_dict().keys())
+        full = [(n, p) for n, p in hf_model.named_parameters()]
+        full += [(n, b) for n, b in hf_model.named_buffers() if n in persistent]
+        self.full_meta = [(n, tuple(t.shape), t.dtype, self._stage_of(n)) for n, t in full]
+        # Parallelism, in the fixed order (parallelize.py): pp split → tp → dp (the reducer).
+        self.stage_module = parallelize_model(hf_model, layout)
+        self.local = [(n.removeprefix("hf."), p) for n, p in self.stage_module.named_parameters()]
+        self.local += [(n.removeprefix("hf."), b) for n, b in self.stage_module.named_buffers()
+                       if n.removeprefix("hf.") in persistent]
+        self.optimizer = None
+        self.params: list[nn.Parameter] = []
+        if trainable:
+            self.params = [p for _, p in self.local if isinstance(p, nn.Parameter) and p.requires_grad]
+            self.reducer = DataParallelReducer(self.params, layout)
+            betas = tuple(float(b) for b in train_cfg.adam_betas)
+            if len(betas) != 2:
+                raise ValueError(f"train.adam_betas must have 2 entries, got {train_cfg.adam_betas}")
+            # foreach=False: DTensor and plain-tensor parameters share one param group.
+            self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=betas,  # type: ignore[arg-type]
+                                               eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay,
+                                               foreach=False)
+        else:
+            for _, p in self.local:
+                p.requires_grad_(False)
+        self.optimizer_steps = 0
+
+    def _stage_of(self, name: str) -> int:
+        pp = self.layout.pp
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return next(s for s in range(pp) if i in stage_layer_ids(self.config.num_hidden_layers, pp, s))
+        if name.startswith("model.embed_tokens."):
+            return 0
+        if name.startswith(("model.norm.", "lm_head.")):
+            return pp - 1
+        if pp == 1:
+            return 0
+        raise ValueError(f"cannot place parameter {name!r} on a pipeline stage: use p1 for this model")
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the full gradient (as `clip_grad_norm_` of one process), then clip.
+
+        Σ‖g‖² = Σ_tp(sharded DTensor shards) + replicated (counted once) — then Σ over pp stages;
+        dp ranks hold identical gradients after the all-reduce, so no dp sum.
+        """
+        from torch.distributed.tensor import DTensor
+
+        L = self.layout
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        sq_shard = torch.zeros((), device=dev)
+        sq_repl = torch.zeros((), device=dev)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
+                sq_shard += local_tensor(g).float().pow(2).sum()
+            else:
+                sq_repl += local_tensor(g).float().pow(2).sum()
+        if L.tp > 1:
+            dist.all_reduce(sq_shard, group=L.tp_group)
+        total = sq_shard + sq_repl
+        if L.pp > 1:
+            dist.all_reduce(total, group=L.pp_group)
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the formula of clip_grad_norm_
+        for p in self.params:
+            if p.grad is not None:
+                local_tensor(p.grad).mul_(coef)
+        return norm
+
+    def gather_full(self, local: dict[str, torch.Tensor], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """Full unsharded tensors in `full_meta` order on rank 0 ([] elsewhere). Collective: every
+        rank calls it. DTensors are all-gathered over tp; stage s's (dp 0, tp 0) rank sends its
+        tensors to rank 0 flattened (one message per dtype) over the pool's world group."""
+        from torch.distributed.tensor import DTensor
+
+        L = self.layout
+        full_local = {}
+        for name, _, _, stage in self.full_meta:  # same order on every tp rank: the all-gathers pair up
+            if stage == L.pp_rank and name in local:
+                t = local[name].detach()
+                full_local[name] = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
+        if L.pp > 1:
+            for s in range(1, L.pp):
+                metas = [m for m in self.full_meta if m[3] == s]
+                for dt in sorted({m[2] for m in metas}, key=str):
+                    part = [m for m in metas if m[2] == dt]
+                    if L.rank == 0:
+                        flat = torch.empty(sum(math.prod(m[1]) for m in part), dtype=dt, device=device)
+                        dist.recv(flat, src=L.stage_rank(s), group=L.world_group)
+                        off = 0
+                        for name, shape, _, _ in part:
+                            k = math.prod(shape)
+                            full_local[name] = flat[off:off + k].view(shape)
+                            off += k
+                    elif L.rank == L.stage_rank(s):
+                        flat = torch.cat([full_local[m[0]].reshape(-1) for m in part])
+                        dist.send(flat, dst=0, group=L.world_group)
+        if L.rank != 0:
+            return []
+        return [(name, full_local[name]) for name, *_ in self.full_meta]
+
+    def load_full(self, full: dict[str, torch.Tensor], where: str) -> None:
+        """Copy full (unsharded) tensors into this rank's shard of every local tensor."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for name, t in self.local:
+                if name not in full:
+                    if self.tied and name == "lm_head.weight":
+                        continue  # tied to model.embed_tokens.weight, loaded through it
+                    raise KeyError(f"{where} lacks {name}")
+                if isinstance(t, DTensor):
+                    shard = distribute_tensor(full[name].to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+                    t.to_local().copy_(shard.to_local())
+                else:
+                    t.copy_(full[name])
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """weights_only-loadable optimizer state: DTensor state → this rank's local shard."""
+        from torch.distributed.tensor import DTensor
+
+        assert self.optimizer is not None
+        osd = self.optimizer.state_dict()
+        osd["state"] = {k: {n: (v.to_local() if isinstance(v, DTensor) else v) for n, v in st.items()}
+                        for k, st in osd["state"].items()}
+        return osd
+
+    def load_optimizer_state(self, osd: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(osd)
+        for p in self.params:  # local shards back to DTensors like their parameter
+            if isinstance(p, DTensor):
+                st = self.optimizer.state.get(p, {})
+                for k, v in list(st.items()):
+                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                        st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False)
 
 
-def lr_at(cfg: TrainConfig, optimizer_step: int, warmup_steps: int | None = None) -> float:
-    """LR of applied optimizer step `optimizer_step` (0-based): linear warm-up over `warmup_steps`
-    (default `cfg.warmup_steps`), then `cfg.lr_schedule` — constant, or linear/cosine decay to
-    lr·min_lr_ratio at `cfg.total_steps`. A pure function of the step count, so the checkpointed
-    `optimizer_steps` counter *is* the scheduler state."""
-    import math
-
-    warm = cfg.warmup_steps if warmup_steps is None else warmup_steps
-    base = float(cfg.lr)
-    if warm > 0 and optimizer_step < warm:
-        return base * (optimizer_step + 1) / warm
-    if cfg.lr_schedule == "constant":
-        return base
-    span = max(cfg.total_steps - warm, 1)
-    progress = min(max(optimizer_step - warm, 0) / span, 1.0)
-    floor = base * cfg.min_lr_ratio
-    if cfg.lr_schedule == "linear":
-        return floor + (base - floor) * (1.0 - progress)
-    if cfg.lr_schedule == "cosine":
-        return floor + (base - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown train.lr_schedule {cfg.lr_schedule!r}: use constant, linear or cosine")
+def _value_head_model(hf_model: nn.Module) -> nn.Module:
+    """The critic: the same architecture with `lm_head` replaced by a zero-initialised (hidden → 1)
+    value head, so V starts at 0 everywhere and every parallel strategy applies unchanged."""
+    w = hf_model.get_input_embeddings().weight
+    head = nn.Linear(hf_model.config.hidden_size, 1, bias=False).to(device=w.device, dtype=w.dtype)
+    nn.init.zeros_(head.weight)
+    hf_model.lm_head = head
+    hf_model.config.tie_word_embeddings = False  # the value head is its own tensor
+    return hf_model
 
 
-def batch_plan(groups: list[TrajectoryGroup], cfg: TrainConfig) -> tuple[list[Trajectory], np.ndarray, np.ndarray, int]:
-    """Host side of a step, identical on every rank: (samples, rewards_N, advantages_N, loss tokens).
+class Trainer:
+    """One rank of the learner pool (or the whole learner, for d1p1t1). Construct it on every rank
+    with the same arguments; call every method on every rank (they are collective).
 
-    Advantages need whole groups and the loss denominator is the *global* loss-token count, so every
-    rank computes both over all groups before taking its data-parallel share.
-    """
-    if not groups:
-        raise ValueError("train_step needs at least one group")
-    samples = [t for g in groups for t in g.trajectories]
-    group_index_N = np.repeat(np.arange(len(groups)), [len(g.trajectories) for g in groups])
-    rewards_N = np.asarray([t.reward for t in samples], dtype=np.float64)
-    # GRPO advantage per sequence (Dr.GRPO: no std division); tiny, so computed on the CPU.
-    advantages_N = grpo_advantages(
-        torch.from_numpy(rewards_N), torch.from_numpy(group_index_N), norm_std=cfg.adv_norm == "grpo"
-    ).numpy()
-    # Loss tokens of the global batch: the same [1:] slice the loss sees, counted on the host.
-    loss_tokens = int(sum(int(t.mask_np()[1:].sum()) for t in samples))
-    return samples, rewards_N, advantages_N, loss_tokens
-
-
-class Learner:
-    """Single-process decoupled-PPO learner on a plain HF causal LM (CPU or one CUDA device).
-
-    One `train_step` is exactly one optimizer step on one global batch of groups; micro-batches only
-    accumulate gradient. The model is kept in eval mode (no dropout), so the π_θ it trains is the
-    same function the generation server samples from.
+    `layout` is a `ParallelLayout` (already built on the pool's process group), a `LayoutSpec`, a
+    layout string like "d2p1t1"/allocation string, or None (single process, no torch.distributed).
     """
 
     def __init__(
         self,
         model_path: str,
         train_cfg: TrainConfig,
+        layout: ParallelLayout | LayoutSpec | str | None = None,
         *,
         temperature: float,
         device: str = "cpu",
         dtype: str = "float32",
-        warmup_steps: int = 0,
-        proximal: Literal["recompute", "detach"] = "recompute",
-        dual_clip_c: float | None = None,
+        algorithm: AlgorithmConfig | None = None,
+        critic: CriticConfig | None = None,
+        ref: RefConfig | None = None,
+        reward: RewardShapingConfig | None = None,
+        max_new_tokens: int | None = None,
         compute_entropy: bool = True,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(_DTYPES)} (model.dtype)")
-        if proximal not in ("recompute", "detach"):
-            raise ValueError(f"proximal {proximal!r}: use 'recompute' or 'detach'")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)} (model.dtype)")
         if train_cfg.micro_batch_tokens < 2:
             raise ValueError("train.micro_batch_tokens must be ≥ 2: set train.micro_batch_tokens=8192")
+        if not isinstance(layout, ParallelLayout):
+            spec = layout if isinstance(layout, LayoutSpec) else (
+                LayoutSpec() if layout is None else LayoutSpec.from_string(layout))
+            layout = ParallelLayout(spec, timeout_s=train_cfg.collective_timeout_s,
+                                    device_type=torch.device(device).type)
+        self.layout = layout
         self.cfg = train_cfg
+        self.alg = algorithm or AlgorithmConfig()
+        self.critic_cfg = critic or CriticConfig()
+        self.reward_cfg = reward or RewardShapingConfig()
         self.model_path = model_path
         self.temperature = float(temperature)
         self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
-        self.warmup_steps = int(warmup_steps)
-        self.proximal = proximal
-        self.dual_clip_c = dual_clip_c
+        self.dtype = DTYPES[dtype]
         self.compute_entropy = compute_entropy
+        self.max_new_tokens = max_new_tokens
+        if self.reward_cfg.overlong_buffer_len > 0 and max_new_tokens is None:
+            raise ValueError("reward.overlong_buffer_len needs the generation length: pass max_new_tokens")
+        self.loss_norm_const = train_cfg.loss_norm_const or float(max_new_tokens or 0) or None
 
-        torch.manual_seed(train_cfg.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
-        self.model.eval()  # no dropout: train the sampled policy itself
-        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
-        betas = tuple(float(b) for b in train_cfg.adam_betas)
-        if len(betas) != 2:
-            raise ValueError(f"train.adam_betas must have 2 entries, got {train_cfg.adam_betas}")
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=self._lr_at(0),
-            betas=betas,  # type: ignore[arg-type]
-            eps=train_cfg.adam_eps,
-            weight_decay=train_cfg.weight_decay,
-        )
+        def load(path: str) -> nn.Module:
+            m = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device)
+            m.eval()  # no dropout: train the sampled policy itself
+            return m
+
+        torch.manual_seed(train_cfg.seed)  # same seed on every rank: identical RNG streams
+        actor = load(model_path)
+        self.config = actor.config
+        self.pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
+        self.actor = _ModelShard(actor, layout, trainable=True, out_dim=None, train_cfg=train_cfg)
+        self.critic: _ModelShard | None = None
+        if self.alg.adv_estimator == "gae":
+            self.critic = _ModelShard(_value_head_model(load(self.critic_cfg.path or model_path)), layout,
+                                      trainable=True, out_dim=1, train_cfg=train_cfg)
+        self.ref: _ModelShard | None = None
+        if self.alg.kl_loss_on or self.alg.kl_reward_on:
+            self.ref = _ModelShard(load((ref or RefConfig()).path or model_path), layout, trainable=False,
+                                   out_dim=None, train_cfg=train_cfg)
         self.step = 0  # train_step calls completed (skipped ones included: their groups are consumed)
-        self.optimizer_steps = 0  # steps actually applied
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # optimizer steps skipped by the finite check
         self.version = -1  # policy version of the weights last trained
 
-    is_rank0 = True  # the single-process learner is its own pool's rank 0 (CheckpointManager)
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, layout: ParallelLayout | LayoutSpec | str | None, *,
+                    device: str = "cpu") -> "Trainer":
+        return cls(cfg.model.path, cfg.train, layout, temperature=cfg.generation.temperature, device=device,
+                   dtype=cfg.model.dtype, algorithm=cfg.algorithm, critic=cfg.critic, ref=cfg.ref,
+                   reward=cfg.reward, max_new_tokens=cfg.generation.max_new_tokens)
 
-    # ---- schedule -------------------------------------------------------------------------------
-    def _lr_at(self, optimizer_step: int) -> float:
-        """See `lr_at`; the `warmup_steps` argument (if > 0) overrides `train.warmup_steps`."""
-        return lr_at(self.cfg, optimizer_step, self.warmup_steps if self.warmup_steps > 0 else None)
+    @property
+    def is_rank0(self) -> bool:
+        return self.layout.rank == 0
 
-    # ---- phases ---------------------------------------------------------------------------------
-    def prepare_batch(self, groups: list[TrajectoryGroup], version: int) -> PackedBatch:
-        """fetch → advantages → pack → count loss tokens (host side; no model call)."""
-        samples, rewards_N, advantages_N, loss_tokens = batch_plan(groups, self.cfg)
-        micro_batches = pack_trajectories(
-            samples, advantages_N, micro_batch_tokens=self.cfg.micro_batch_tokens, pad_id=self.pad_id, device=self.device
-        )
-        min_versions = [g.min_version for g in groups if g.min_version >= 0]
-        return PackedBatch(
-            micro_batches=micro_batches,
-            num_tokens=int(sum(t.num_tokens for t in samples)),
-            loss_tokens=loss_tokens,
-            num_samples=len(samples),
-            num_groups=len(groups),
-            rewards_N=rewards_N,
-            advantages_N=advantages_N,
-            version_lag_max=(version - min(min_versions)) if min_versions else -1,
-        )
+    @property
+    def optimizer_steps(self) -> int:
+        return self.actor.optimizer_steps
 
-    def _token_logprobs(self, input_ids_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp_BT1, logits of positions 0..T−2): logprob of tokens 1..T−1, the server's definition."""
-        logits_BTV = self.model(input_ids=input_ids_BT, use_cache=False).logits
-        logits_BT1V = logits_BTV[:, :-1]
-        return token_logprobs_from_logits(logits_BT1V, input_ids_BT[:, 1:], self.temperature), logits_BT1V
+    def _total_optimizer_steps(self) -> int:
+        return self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_minibatches
 
+    # ---- forward-only passes (before any update) -------------------------------------------------
     @torch.no_grad()
-    def compute_proximal_logprobs(self, batch: PackedBatch) -> list[torch.Tensor]:
-        """π_prox of every micro-batch with the current weights, before this step's update."""
-        return [self._token_logprobs(mb.input_ids_BT)[0].float() for mb in batch.micro_batches]
+    def _forward_only(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]):
+        """(micro-batch, last-stage output or None) per micro-batch of `rows`. With p > 1 the stages
+        pass activations with point-to-point sends inside the pp group (GPipe order, forward only)."""
+        L = self.layout
+        out = []
+        for mb in pack(samples, rows, micro_batch_tokens=self.cfg.micro_batch_tokens, pad_id=self.pad_id,
+                       device=self.device):
+            if L.pp == 1:
+                out.append((mb, shard.stage_module(mb.input_ids_BT)))
+                continue
+            B, T = mb.input_ids_BT.shape
+            if L.is_first_stage:
+                x = mb.input_ids_BT
+            else:
+                x = torch.empty(B, T, shard.config.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(x, group=L.pp_group, group_src=L.pp_rank - 1)
+            y = shard.stage_module(x)
+            if L.is_last_stage:
+                out.append((mb, y))
+            else:
+                dist.send(y.contiguous(), group=L.pp_group, group_dst=L.pp_rank + 1)
+                out.append((mb, None))
+        return out
 
-    def forward_backward(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
-        """Accumulate ∇L of the whole batch into `.grad` (no optimizer step); returns device-side stats.
+    def _forward_logprobs(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
+        arrays: SampleArrays = {}
+        for mb, logits_BTV in self._forward_only(shard, samples, rows):
+            if logits_BTV is not None:
+                lp = token_logprobs_from_logits(logits_BTV[:, :-1], mb.input_ids_BT[:, 1:], self.temperature)
+                arrays.update(unpack_rows(mb, lp))
+        return arrays
 
-        Each micro-batch's loss is already divided by the global loss-token count, so the sum of the
-        micro-batch gradients is the full-batch gradient, whatever the split.
-        """
-        logp_prox_list = self.compute_proximal_logprobs(batch) if self.proximal == "recompute" else None
-        dev = self.device
-        zero = torch.zeros((), device=dev)
-        acc = {k: zero.clone() for k in ("loss", "clipfrac", "approx_kl", "ratio_mean", "behav_w_mean",
-                                          "behav_frac_capped", "dual_clipfrac", "entropy")}
-        acc_max = {k: zero.clone() for k in ("behav_w_max", "ratio_max")}
-        for k, mb in enumerate(batch.micro_batches):
-            logp_BT1, logits_BT1V = self._token_logprobs(mb.input_ids_BT)
-            # "detach": with one optimizer step per train_step the weights are still π_prox's here.
-            logp_prox_BT1 = logp_prox_list[k] if logp_prox_list is not None else logp_BT1.detach()
-            loss, st = decoupled_ppo_loss(
-                logp_BT1,
-                logp_prox_BT1,
-                mb.logp_behav_BT1,
-                mb.advantages_BT1,
-                mb.loss_mask_BT1,
-                eps_clip_low=self.cfg.eps_clip_low,
-                eps_clip_high=self.cfg.eps_clip_high,
-                behav_imp_weight_cap=self.cfg.behav_imp_weight_cap,
-                behav_mode=self.cfg.behav_imp_weight_mode,
-                dual_clip_c=self.dual_clip_c,
-                loss_tokens_global=batch.loss_tokens,
-            )
-            loss.backward()
-            # Token-weighted accumulation: per-micro-batch means × their loss tokens, / global count.
-            frac = st["loss_tokens"] / max(batch.loss_tokens, 1)
-            acc["loss"] += loss.detach()
-            for name in ("clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "behav_frac_capped", "dual_clipfrac"):
+    def _forward_values(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
+        arrays: SampleArrays = {}
+        for mb, v_BT1 in self._forward_only(shard, samples, rows):
+            if v_BT1 is not None:
+                arrays.update(unpack_rows(mb, v_BT1[:, :-1, 0]))
+        return arrays
+
+    # ---- advantages (last pipeline stage) -------------------------------------------------------
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.layout.dp_group)
+        return t
+
+    def _moments_fn(self, moments):
+        stacked = self._dp_sum(torch.stack([m.double() for m in moments]))  # float64: exact zero variance
+        return stacked[0], stacked[1], stacked[2]
+
+    def _advantages(self, samples: list[Trajectory], mine: list[int], scores_N: np.ndarray,
+                    group_index_N: np.ndarray, channels: dict[int, SampleArrays]
+                    ) -> tuple[SampleArrays, SampleArrays]:
+        """Per-token advantages (and critic returns for gae) of this rank's samples.
+
+        Token rewards: the sequence score on the last loss token, minus kl_reward_coef·KL(π ‖ π_ref)
+        on every loss token when the KL is in the reward (π = π_prox if recomputed, else π_behav).
+        Sequence estimators see the sum of a sample's token rewards as its score (as verl). Whitening
+        uses moments summed over the dp group, so the result does not depend on the layout."""
+        alg = self.alg
+        n_tok = [samples[i].num_tokens for i in mine]
+        T = max(n_tok, default=1)
+        B = len(mine)
+        mask_BT = np.zeros((B, T), dtype=np.float32)
+        for b, i in enumerate(mine):
+            m = samples[i].mask_np().astype(np.float32)
+            m[0] = 0.0  # position 0 is never a loss token
+            mask_BT[b, :n_tok[b]] = m
+        scores = scores_N.astype(np.float64).copy()
+        kl_BT = np.zeros((B, T), dtype=np.float32)
+        if alg.kl_reward_on:
+            pi = channels.get(CH_PROX)
+            for b, i in enumerate(mine):
+                logp = pi[i] if pi is not None and i in pi else samples[i].logprobs_np()
+                k = A.kl_estimate(torch.from_numpy(np.array(logp, np.float32)),
+                                  torch.from_numpy(channels[CH_REF][i]), alg.kl_estimator).numpy()
+                kl_BT[b, :n_tok[b]] = k * mask_BT[b, :n_tok[b]]
+            kl_sum_N = np.zeros(len(samples), dtype=np.float64)
+            kl_sum_N[mine] = kl_BT.sum(1)
+            kl_sum_N = self._dp_sum(torch.from_numpy(kl_sum_N)).numpy()  # every rank: every sample's KL sum
+            scores = scores - alg.kl_reward_coef * kl_sum_N
+        adv: SampleArrays = {}
+        returns: SampleArrays = {}
+        est = alg.adv_estimator
+        g_idx = torch.from_numpy(group_index_N)
+        if est in ("grpo", "dr_grpo", "rloo"):
+            s = torch.from_numpy(scores)
+            seq = (A.rloo_advantages(s, g_idx) if est == "rloo"
+                   else A.grpo_advantages(s, g_idx, norm_std=est == "grpo")).numpy()
+            for b, i in enumerate(mine):
+                adv[i] = (seq[i] * mask_BT[b, :n_tok[b]]).astype(np.float32)
+            return adv, returns
+        # Token-level estimators: rewards per token, whitened over the (dp-global) batch.
+        last = [int(np.flatnonzero(mask_BT[b])[-1]) if mask_BT[b].any() else -1 for b in range(B)]
+        r_BT = -alg.kl_reward_coef * kl_BT if alg.kl_reward_on else np.zeros((B, T), np.float32)
+        raw = scores_N.astype(np.float64)
+        for b, i in enumerate(mine):
+            if last[b] >= 0:
+                r_BT[b, last[b]] += raw[i]
+        r_t, m_t = torch.from_numpy(r_BT), torch.from_numpy(mask_BT)
+        if est == "reinforce_plus_plus":
+            a_BT, _ = A.reinforce_pp_token_advantages(r_t, m_t, gamma=alg.gamma, moments_fn=self._moments_fn)
+        elif est == "reinforce_plus_plus_baseline":
+            a_BT = A.reinforce_pp_baseline_token_advantages(torch.from_numpy(scores), g_idx, m_t,
+                                                           rows_B=torch.tensor(mine, dtype=torch.long),
+                                                           moments_fn=self._moments_fn)
+        elif est == "gae":
+            v_BT = np.zeros((B, T), dtype=np.float32)
+            for b, i in enumerate(mine):
+                v_BT[b, :n_tok[b]] = channels[CH_OLD_VALUE][i]
+            a_raw, ret_BT = A.gae_advantages(r_t, torch.from_numpy(v_BT), m_t, gamma=alg.gamma, lam=alg.lam)
+            a_BT = A.masked_whiten(a_raw, m_t, moments=self._moments_fn(A.masked_moments(a_raw, m_t)))
+            for b, i in enumerate(mine):
+                returns[i] = ret_BT[b, :n_tok[b]].numpy().astype(np.float32)
+        else:
+            raise ValueError(f"unknown algorithm.adv_estimator {est!r}")
+        for b, i in enumerate(mine):
+            adv[i] = a_BT[b, :n_tok[b]].numpy().astype(np.float32)
+        return adv, returns
+
+    # ---- losses -----------------------------------------------------------------------------------
+    def _proximal(self, logp_BT1: torch.Tensor, tgt: torch.Tensor, version: int, recomputed: bool) -> torch.Tensor:
+        mode = self.cfg.proximal
+        if mode == "behaviour":
+            return tgt[..., CH_BEHAV]
+        if mode == "loglinear":
+            alpha = A.loglinear_alpha(tgt[..., CH_VERSION], v_prox=version, v_theta=version + 1)
+            return A.loglinear_proximal(tgt[..., CH_BEHAV], logp_BT1, alpha)
+        return tgt[..., CH_PROX] if recomputed else logp_BT1.detach()  # see the module docstring
+
+    def _actor_loss_fn(self, acc: dict[str, torch.Tensor], loss_tokens: int, num_seqs: int, version: int,
+                       recomputed: bool):
+        """loss(logits (B, T, V), targets (B, T−1, C)) of one micro-batch; accumulates its stats."""
+        cfg, alg = self.cfg, self.alg
+        agg = dict(loss_tokens_global=loss_tokens, num_seqs_global=num_seqs, loss_norm_const=self.loss_norm_const)
+
+        def loss_fn(logits_BTV: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            logits_BT1V = logits_BTV[:, :-1]
+            mask = tgt[..., CH_MASK]
+            logp = token_logprobs_from_logits(logits_BT1V, tgt[..., CH_IDS].long(), self.temperature)
+            prox = self._proximal(logp, tgt, version, recomputed)
+            loss, st = A.decoupled_ppo_loss(
+                logp, prox, tgt[..., CH_BEHAV], tgt[..., CH_ADV], mask,
+                eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
+                behav_imp_weight_cap=cfg.behav_imp_weight_cap, behav_mode=cfg.behav_imp_weight_mode,
+                dual_clip_c=cfg.dual_clip_c, agg=cfg.loss_agg_mode, **agg)
+            frac = st["loss_tokens"] / max(loss_tokens, 1)
+            for name in ("clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "dual_clipfrac"):
                 acc[name] += st[name] * frac
-            for name in acc_max:
-                acc_max[name] = torch.maximum(acc_max[name], st[name])
-            if self.compute_entropy:
-                with torch.no_grad():
-                    ent_BT1 = entropy_from_logits(logits_BT1V.detach(), self.temperature)
-                    acc["entropy"] += (ent_BT1 * mb.loss_mask_BT1).sum() / max(batch.loss_tokens, 1)
-            del logits_BT1V, logp_BT1, loss
-        return {**acc, **acc_max}
+            acc["behav_tokens_capped"] += st["behav_frac_capped"] * st["loss_tokens"]
+            for name in ("behav_w_max", "ratio_max"):
+                acc[name] = torch.maximum(acc[name], st[name])
+            on = mask > 0
+            with torch.no_grad():
+                w = torch.exp(torch.where(on, prox.detach().float() - tgt[..., CH_BEHAV], torch.zeros_like(mask)))
+                w_min = torch.where(on, w, torch.full_like(w, float("inf"))).min()
+                acc["neg_behav_w_min"] = torch.maximum(acc["neg_behav_w_min"],
+                                                       torch.where(on.any(), -w_min, acc["neg_behav_w_min"]))
+                acc["adv_abs_mean"] += (tgt[..., CH_ADV].abs() * mask).sum() / max(loss_tokens, 1)
+            if self.ref is not None:
+                kl = A.kl_estimate(logp, tgt[..., CH_REF], alg.kl_estimator)
+                kl = torch.where(on, kl, torch.zeros_like(kl))
+                acc["kl_ref"] += (kl.detach() * mask).sum() / max(loss_tokens, 1)
+                if alg.kl_loss_on and alg.kl_loss_coef > 0:
+                    loss = loss + alg.kl_loss_coef * A.aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
+            if self.compute_entropy or alg.entropy_coef > 0:
+                ent = A.entropy_from_logits(logits_BT1V if alg.entropy_coef > 0 else logits_BT1V.detach(),
+                                            self.temperature)
+                acc["entropy"] += (ent.detach() * mask).sum() / max(loss_tokens, 1)
+                if alg.entropy_coef > 0:
+                    loss = loss - alg.entropy_coef * A.aggregate_loss(ent, mask, cfg.loss_agg_mode, **agg)
+            acc["loss"] += loss.detach()
+            return loss
 
-    # ---- the step -------------------------------------------------------------------------------
-    def train_step(self, groups: list[TrajectoryGroup], version: int) -> dict[str, Any]:
-        """One optimizer step on `groups`; see the module docstring for the phases.
+        return loss_fn
 
-        `version` is the policy version of the weights this step starts from (π_prox); the updated
-        weights become version + 1 once the caller has pushed them (DESIGN invariant 1) — the learner
-        only records it and reports `version_lag_max` = version − the oldest token version trained on.
-        A step whose gradient is not finite (or that has no loss tokens) is skipped with a logged
-        reason, leaving weights and optimizer state untouched; its groups still count as consumed.
-        """
-        t0 = time.perf_counter()
-        # 1. fetch → advantages → pack → count loss tokens
-        batch = self.prepare_batch(groups, version)
-        # 2. π_prox + forward/backward per micro-batch (gradient accumulation)
-        self.optimizer.zero_grad(set_to_none=True)
-        dev_stats = self.forward_backward(batch) if batch.loss_tokens > 0 else {}
-        # 3. clip (also gives the total norm; max_norm=inf when clipping is off)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _critic_loss_fn(self, acc: dict[str, torch.Tensor], loss_tokens: int):
+        c = self.critic_cfg
+
+        def loss_fn(values_BT1: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            v = values_BT1[:, :-1, 0].float()
+            vf = A.ppo_value_loss(v, tgt[..., CH_OLD_VALUE], tgt[..., CH_RETURN], tgt[..., CH_MASK],
+                                  value_clip=c.value_clip, loss_tokens_global=loss_tokens)
+            acc["value_loss"] += vf.detach()
+            return vf * c.loss_coef
+
+        return loss_fn
+
+    # ---- forward/backward -------------------------------------------------------------------------
+    def _forward_backward(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int],
+                          channels: dict[int, SampleArrays], loss_fn) -> None:
+        """Accumulate this rank's share of ∇L into `.grad` (before the dp all-reduce)."""
+        if self.layout.pp == 1:
+            for mb in pack(samples, rows, channels, micro_batch_tokens=self.cfg.micro_batch_tokens,
+                           pad_id=self.pad_id, device=self.device):
+                loss_fn(shard.stage_module(mb.input_ids_BT), mb.targets_BT1C).backward()
+            return
+        self._pipeline_forward_backward(shard, samples, rows, channels, loss_fn)
+
+    def _pipeline_forward_backward(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int],
+                                   channels: dict[int, SampleArrays], loss_fn) -> None:
+        """One pipeline schedule over this dp rank's share: one right-padded (B, T) batch split into
+        n equal micro-batches (B padded with all-padding rows of loss mask 0, which add nothing)."""
+        L = self.layout
+        if rows:
+            (mb,) = pack(samples, rows, channels, micro_batch_tokens=1 << 62, pad_id=self.pad_id,
+                         device=self.device, single=True)
+            ids_BT, tgt = mb.input_ids_BT, mb.targets_BT1C
+        else:  # no samples on this dp rank: the pipeline still runs (stages must pair their sends)
+            ids_BT = torch.full((1, 2), self.pad_id, dtype=torch.int64, device=self.device)
+            tgt = torch.zeros((1, 1, NUM_CHANNELS), device=self.device)
+        B, T = ids_BT.shape
+        n = self.cfg.pp_microbatches or max(L.pp, math.ceil(B * T / self.cfg.micro_batch_tokens))
+        n = max(n, L.pp) if self.cfg.pp_schedule == "1f1b" else n
+        pad_rows = (-B) % n
+        if pad_rows:
+            ids_BT = torch.cat([ids_BT, torch.full((pad_rows, T), self.pad_id, dtype=ids_BT.dtype, device=self.device)])
+            tgt = torch.cat([tgt, torch.zeros((pad_rows, T - 1, NUM_CHANNELS), device=self.device)])
+        schedule = build_pipeline_schedule(shard.stage_module, L, n_microbatches=n, loss_fn=loss_fn,
+                                           schedule=self.cfg.pp_schedule, device=self.device,
+                                           microbatch_shape=(ids_BT.shape[0] // n, T), out_dim=shard.out_dim)
+        if L.is_first_stage:
+            schedule.step(ids_BT)
+        elif L.is_last_stage:
+            schedule.step(target=tgt)
+        else:
+            schedule.step()
+
+    def _reduce(self, sums: torch.Tensor, maxes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stats of the global (mini)batch: sums over dp and pp (only the last stage computed a loss)."""
+        L = self.layout
+        for group, size in ((L.pp_group, L.pp), (L.dp_group, L.dp)):
+            if size > 1:
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+                if maxes is not None:
+                    dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        return sums, maxes
+
+    def _optimizer_step(self, shard: _ModelShard, loss_tokens: int, loss: torch.Tensor, base_lr: float,
+                        extra: torch.Tensor) -> tuple[float, str, float, list[float]]:
+        """dp all-reduce → norm + clip → finite check → step. Returns (grad norm, skip reason, lr, extra).
+
+        Host sync: the ONLY one of an optimizer step — grad norm, loss and `extra` stats in one copy.
+        Every rank holds the same reduced values, so every rank takes the same decision."""
+        shard.reducer.all_reduce_grads()
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros((), device=self.device)
-        )
-        # 4. finite check. Host sync: the ONLY one of the step — grad norm and all stats in one copy.
-        names = list(dev_stats)
-        fetched = torch.stack([grad_norm.float(), *[dev_stats[n].float() for n in names]]).tolist()
-        grad_norm_f, stats = fetched[0], dict(zip(names, fetched[1:]))
-        skip_reason = step_skip_reason(batch.loss_tokens, grad_norm_f, stats.get("loss", 0.0))
-        # 5. optimizer step (or skip it, with the reason logged)
-        lr = self._lr_at(self.optimizer_steps)
-        if skip_reason:
-            log.warning("learner step %d (version %d): optimizer step skipped: %s", self.step, version, skip_reason)
+        norm = shard.grad_norm_and_clip(max_norm)
+        fetched = torch.cat([torch.stack([norm.float(), loss.float()]), extra.float()]).tolist()
+        grad_norm, loss_f, rest = fetched[0], fetched[1], fetched[2:]
+        skip = step_skip_reason(loss_tokens, grad_norm, loss_f)
+        lr = lr_at(self.cfg, shard.optimizer_steps, base_lr=base_lr, total_steps=self._total_optimizer_steps())
+        if skip:
+            if self.layout.rank == 0:
+                log.warning("learner step %d: optimizer step skipped: %s", self.step + 1, skip)
             self.skipped_steps += 1
         else:
-            for g in self.optimizer.param_groups:
+            assert shard.optimizer is not None
+            for g in shard.optimizer.param_groups:
                 g["lr"] = lr
-            self.optimizer.step()
-            self.optimizer_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
+            shard.optimizer.step()
+            shard.optimizer_steps += 1
+        return grad_norm, skip, lr, rest
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def train_step(self, groups: list[TrajectoryGroup], version: int) -> dict[str, Any]:
+        """ppo_epochs × ppo_minibatches optimizer steps of the whole pool on `groups` (identical on
+        every rank). Returns the same stats dict on every rank.
+
+        `version` is the policy version of the weights this step starts from (π_prox); the updated
+        weights become version + 1 once the caller has pushed them (DESIGN invariant 1). An
+        optimizer step whose gradient is not finite (or that has no loss tokens) is skipped with a
+        logged reason, leaving weights and optimizer state untouched; its groups still count as consumed.
+        """
+        if not groups:
+            raise ValueError("train_step needs at least one group")
+        t0 = time.perf_counter()
+        L, cfg = self.layout, self.cfg
+        dev = self.device
+        # 1. samples, rewards (+ overlong shaping), minibatches and this dp rank's share of each
+        samples = [t for g in groups for t in g.trajectories]
+        group_index_N = np.repeat(np.arange(len(groups)), [len(g.trajectories) for g in groups])
+        rewards_N = np.asarray([t.reward for t in samples], dtype=np.float64)
+        scores_N = rewards_N.copy()
+        rs = self.reward_cfg
+        if rs.overlong_buffer_len > 0:
+            lengths = torch.tensor([t.num_tokens - t.prompt_len for t in samples], dtype=torch.float32)
+            scores_N += A.overlong_penalty(lengths, max_len=int(self.max_new_tokens or 0),
+                                           buffer_len=rs.overlong_buffer_len,
+                                           penalty_factor=rs.overlong_penalty_factor).double().numpy()
+        mbs = minibatches(len(samples), cfg.ppo_minibatches)
+        shares = [dp_share(samples, mb, L.dp, L.dp_rank) for mb in mbs]
+        mine = sorted(i for s in shares for i in s)
+        # 2. forward-only passes with the step's starting weights (results on the last stage)
+        channels: dict[int, SampleArrays] = {}
+        recompute = cfg.proximal == "recompute" and len(mbs) * cfg.ppo_epochs > 1
+        if recompute:
+            channels[CH_PROX] = self._forward_logprobs(self.actor, samples, mine)
+        if self.ref is not None:
+            channels[CH_REF] = self._forward_logprobs(self.ref, samples, mine)
+        if self.critic is not None:
+            channels[CH_OLD_VALUE] = self._forward_values(self.critic, samples, mine)
+        # 3. advantages (and critic returns) where the loss runs
+        if L.is_last_stage:
+            channels[CH_ADV], ret = self._advantages(samples, mine, scores_N, group_index_N, channels)
+            if self.critic is not None:
+                channels[CH_RETURN] = ret
+        # 4. the PPO update: epochs × minibatches optimizer steps
+        sums_total = torch.zeros(len(_SUM_STATS), dtype=torch.float64)
+        maxes_total = torch.full((len(_MAX_STATS),), -math.inf, dtype=torch.float64)
+        norms, skips, value_losses, critic_norms = [], [], [], []
+        lr = critic_lr = float("nan")
+        loss_tokens_total = 0
+        n_opt = 0
+        for _epoch in range(cfg.ppo_epochs):
+            for mb_rows, share in zip(mbs, shares):
+                lt = loss_tokens_of(samples, mb_rows)
+                n_seqs = sum(1 for i in mb_rows if samples[i].mask_np()[1:].any())  # rows with loss tokens
+                acc = {k: torch.zeros((), device=dev) for k in _SUM_STATS}
+                acc.update({k: torch.full((), -math.inf, device=dev) for k in _MAX_STATS})
+                self.actor.zero_grad()
+                if lt > 0:
+                    self._forward_backward(self.actor, samples, share, channels,
+                                           self._actor_loss_fn(acc, lt, n_seqs, version, recompute))
+                sums, maxes = self._reduce(torch.stack([acc[k] for k in _SUM_STATS]),
+                                           torch.stack([acc[k] for k in _MAX_STATS]))
+                norm, skip, lr, rest = self._optimizer_step(self.actor, lt, sums[0], cfg.lr,
+                                                            torch.cat([sums, maxes]))
+                sums_total += torch.tensor(rest[:len(_SUM_STATS)], dtype=torch.float64)
+                maxes_total = torch.maximum(maxes_total, torch.tensor(rest[len(_SUM_STATS):], dtype=torch.float64))
+                norms.append(norm)
+                skips.append(skip)
+                loss_tokens_total += lt
+                n_opt += 1
+                if self.critic is not None:
+                    cacc = {"value_loss": torch.zeros((), device=dev)}
+                    self.critic.zero_grad()
+                    if lt > 0:
+                        self._forward_backward(self.critic, samples, share, channels, self._critic_loss_fn(cacc, lt))
+                    vsum, _ = self._reduce(cacc["value_loss"].reshape(1))
+                    cnorm, _, critic_lr, vfetched = self._optimizer_step(self.critic, lt, vsum[0],
+                                                                         self.critic_cfg.lr or cfg.lr, vsum)
+                    value_losses.append(vfetched[0])
+                    critic_norms.append(cnorm)
         self.step += 1
         self.version = version
-        # 6. stats
-        r = batch.rewards_N
-        out: dict[str, Any] = {
-            "loss": stats.get("loss", 0.0),
-            "reward_mean": float(r.mean()),
-            "reward_std": float(r.std()),
-            "adv_abs_mean": float(np.abs(batch.advantages_N).mean()),
-            "grad_norm": grad_norm_f,
-            "clipfrac": stats.get("clipfrac", 0.0),
-            "dual_clipfrac": stats.get("dual_clipfrac", 0.0),
-            "approx_kl": stats.get("approx_kl", 0.0),
-            "ratio_mean": stats.get("ratio_mean", 1.0),
-            "ratio_max": stats.get("ratio_max", 1.0),
-            "behav_w_mean": stats.get("behav_w_mean", 1.0),
-            "behav_w_max": stats.get("behav_w_max", 1.0),
-            "behav_frac_capped": stats.get("behav_frac_capped", 0.0),
-            "entropy": stats.get("entropy", 0.0),
-            "lr": lr,
-            "num_tokens": batch.num_tokens,
-            "loss_tokens": batch.loss_tokens,
-            "num_groups": batch.num_groups,
-            "num_samples": batch.num_samples,
-            "num_micro_batches": len(batch.micro_batches),
-            "version_lag_max": batch.version_lag_max,
-            "skipped": bool(skip_reason),
-            "skip_reason": skip_reason,
-            "step": self.step,
-            "step_s": time.perf_counter() - t0,
-        }
-        return out
-
-    # ---- weights out ----------------------------------------------------------------------------
-    def named_tensors_for_push(self) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full tensors (detached, contiguous, model dtype, on the learner's device).
-
-        Exactly the names `save_pretrained` writes: a tied lm_head is not repeated (named_parameters
-        de-duplicates shared tensors, keeping `model.embed_tokens.weight`), persistent buffers are
-        included, non-persistent ones (rotary inv_freq) are not. The tensors alias the live weights:
-        send them before the next `train_step`.
-        """
-        persistent = set(self.model.state_dict().keys())
-        out = [(n, p.detach().contiguous()) for n, p in self.model.named_parameters()]
-        out += [(n, b.detach().contiguous()) for n, b in self.model.named_buffers() if n in persistent]
-        return out
-
-    def save_hf(self, out_dir: str) -> str:
-        """Export a complete HF model dir (config, safetensors, tokenizer files copied from `model_path`)."""
-        os.makedirs(out_dir, exist_ok=True)
-        self.model.save_pretrained(out_dir, safe_serialization=True)
-        for name in os.listdir(self.model_path):
-            src = os.path.join(self.model_path, name)
-            if name in _HF_MODEL_FILES or name.endswith((".safetensors", ".bin")) or not os.path.isfile(src):
-                continue
-            shutil.copy2(src, os.path.join(out_dir, name))
-        return out_dir
-
-    # ---- checkpoints ----------------------------------------------------------------------------
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """Everything needed to resume bit-exactly; tensors and plain values only (weights_only-loadable)."""
-        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        # 5. stats: means over the step's optimizer steps (token-weighted within each), maxima overall
+        st = dict(zip(_SUM_STATS, (sums_total / max(n_opt, 1)).tolist()))
+        mx = dict(zip(_MAX_STATS, maxes_total.tolist()))
+        st["behav_tokens_capped"] = st["behav_tokens_capped"] * n_opt  # a count, not a mean
+        min_versions = [g.min_version for g in groups if g.min_version >= 0]
+        applied = [n for n, s in zip(norms, skips) if not s]
+        skip_reason = next((s for s in skips if s), "")
         return {
-            "format": CKPT_FORMAT,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "rng": rng,
-            "step": self.step,
-            "optimizer_steps": self.optimizer_steps,
-            "skipped_steps": self.skipped_steps,
-            "version": self.version,
+            "loss": st["loss"], "reward_mean": float(rewards_N.mean()), "reward_std": float(rewards_N.std()),
+            "score_mean": float(scores_N.mean()), "adv_abs_mean": st["adv_abs_mean"],
+            "grad_norm": float(np.mean(applied)) if applied else float(norms[-1]) if norms else float("nan"),
+            **{k: st[k] for k in ("clipfrac", "dual_clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "entropy")},
+            "ratio_max": mx["ratio_max"], "behav_w_max": mx["behav_w_max"], "behav_w_min": -mx["neg_behav_w_min"],
+            "behav_tokens_capped": int(round(st["behav_tokens_capped"])),
+            "kl_ref": st["kl_ref"] if self.ref is not None else None,
+            "value_loss": float(np.mean(value_losses)) if value_losses else None,
+            "critic_grad_norm": float(np.mean(critic_norms)) if critic_norms else None,
+            "lr": lr, "critic_lr": critic_lr if self.critic is not None else None,
+            "num_tokens": int(sum(t.num_tokens for t in samples)),
+            "loss_tokens": loss_tokens_of(samples, list(range(len(samples)))),
+            "num_groups": len(groups), "num_samples": len(samples), "optimizer_steps": len(applied),
+            "num_minibatches": len(mbs), "version_lag_max": (version - min(min_versions)) if min_versions else -1,
+            "skipped": not applied, "skip_reason": skip_reason, "step": self.step,
+            "step_s": time.perf_counter() - t0, "layout": str(L.spec),
         }
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> str:
-        """Write a checkpoint directory atomically (tmp dir + rename): model.safetensors (HF names),
-        trainer_state.pt (optimizer, RNG, counters; tensors and plain values only) and meta.json
-        (counters + `extra`, which must be JSON-encodable: e.g. buffer offsets, the policy version)."""
-        sd = self.state_dict_for_checkpoint()
-        meta = {"format": CKPT_FORMAT, "step": self.step, "optimizer_steps": self.optimizer_steps,
-                "version": self.version, "model_path": self.model_path, "extra": extra or {}}
-        meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
-        path = os.path.abspath(path)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        save_model(self.model, os.path.join(tmp, CKPT_MODEL_FILE))  # handles the tied embedding
-        torch.save({k: v for k, v in sd.items() if k != "model"}, os.path.join(tmp, CKPT_STATE_FILE))
-        publish_checkpoint_dir(tmp, path, meta_bytes)
-        return path
+    # ---- full tensors on rank 0 -------------------------------------------------------------------
+    def named_tensors_for_push(self) -> list[tuple[str, torch.Tensor]]:
+        """The actor's HF-named FULL tensors on rank 0 (what `save_pretrained` writes); [] on every
+        other rank. Collective: call it on every rank. On rank 0 the stage-0 tensors alias the live
+        weights (tp=1): send them before the next `train_step`."""
+        return self.actor.gather_full(dict(self.actor.local), self.device)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore model, optimizer, RNG and counters from `save_checkpoint`'s dir; returns `extra`."""
-        with open(os.path.join(path, CKPT_META_FILE), "rb") as f:
-            meta = msgspec.json.decode(f.read())
-        if meta.get("format") != CKPT_FORMAT:
-            raise ValueError(f"checkpoint {path}: format {meta.get('format')}, this build reads {CKPT_FORMAT}")
-        load_model(self.model, os.path.join(path, CKPT_MODEL_FILE), strict=True, device=str(self.device))
-        state = torch.load(os.path.join(path, CKPT_STATE_FILE), map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["cpu"].cpu())
-        if self.device.type == "cuda" and "cuda" in state["rng"]:
-            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), self.device)
-        self.step = int(state["step"])
-        self.optimizer_steps = int(state["optimizer_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
-        self.version = int(state["version"])
-        return dict(meta.get("extra", {}))
+    def named_full_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """The actor's full gradients of the last optimizer step (after dp reduction and clipping)
+        on rank 0, HF names; for tests. Collective."""
+        return self.actor.gather_full({n: p.grad for n, p in self.actor.local
+                                       if isinstance(p, nn.Parameter) and p.grad is not None}, self.device)
+
+    def barrier(self) -> None:
+        if self.layout.distributed and self.layout.world_size > 1:
+            dist.barrier(group=self.layout.world_group)  # under the world group's timeout

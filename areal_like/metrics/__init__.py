@@ -59,6 +59,36 @@ STALENESS_MAX = Gauge("areal_like_staleness_max", "Largest staleness seen in the
 REWARD_MEAN = Gauge("areal_like_reward_mean", "Mean reward of the last training batch", registry=REGISTRY)
 LOSS = Gauge("areal_like_loss", "Loss of the last training step", registry=REGISTRY)
 TRAINED_TOKENS = Counter("areal_like_trained_tokens", "Loss tokens trained on", registry=REGISTRY)
+CLIPFRAC = Gauge("areal_like_learner_clipfrac", "Fraction of loss tokens where the PPO clip was active, last step",
+                 registry=REGISTRY)
+APPROX_KL = Gauge("areal_like_learner_approx_kl", "k3 estimate of KL(π_prox ‖ π_θ) over the last step", registry=REGISTRY)
+KL_REF = Gauge("areal_like_learner_kl_ref", "Mean KL(π_θ ‖ π_ref) to the reference model, last step", registry=REGISTRY)
+ENTROPY = Gauge("areal_like_learner_entropy", "Mean policy entropy over loss tokens, last step", registry=REGISTRY)
+GRAD_NORM = Gauge("areal_like_learner_grad_norm", "Actor gradient norm before clipping, last step", registry=REGISTRY)
+VALUE_LOSS = Gauge("areal_like_learner_value_loss", "Critic value loss, last step (GAE only)", registry=REGISTRY)
+BEHAV_W_MAX = Gauge("areal_like_learner_behav_weight_max", "Largest π_prox/π_behav behaviour weight, last step",
+                    registry=REGISTRY)
+VAL_SCORE = Gauge("areal_like_val_score", "Latest validation result, by data_source (`all` = every prompt) and "
+                  "metric (mean@k, pass@k; data_source `_` holds version, step, samples, seconds)",
+                  ["data_source", "metric"], registry=REGISTRY)
+
+
+def set_val_metrics(results: dict[str, float]) -> None:
+    """Set `areal_like_val_score` from an evaluation's results (the learner calls this with what
+    `EvalChannel.collect` returned): `val/<data_source>/<metric>` → labels (data_source, metric);
+    `val/<name>` (version, step, samples, seconds, …) → (`_`, name). Other keys are ignored.
+    A data_source may itself contain `/` (e.g. `areal_like/demo`): the metric is the last part."""
+    for key, value in results.items():
+        if not key.startswith("val/"):
+            continue
+        rest = key[len("val/"):]
+        ds, sep, metric = rest.rpartition("/")
+        if not sep:
+            ds, metric = "_", rest
+        try:
+            VAL_SCORE.labels(data_source=ds, metric=metric).set(float(value))
+        except (TypeError, ValueError):
+            continue
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:

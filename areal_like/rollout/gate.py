@@ -2,7 +2,8 @@
 
 A worker may start a new group only while
 
-        accepted + running + 1  ≤  (η + v + 1) · B
+        accepted + running + 1  ≤  (η + v + 1) · B  (+ credit: groups the learner dropped as
+                                                    `filtered` and replaced by an extra read)
 
 B = groups per training step, η = max staleness, v = policy version ({p}:version), accepted = groups
 ever accepted into the buffer, running = slots held by groups being generated. The check and the
@@ -88,14 +89,16 @@ class GateTimeout(RedisCallTimeout):
     """acquire() waited longer than its timeout; the message carries the gate's counters."""
 
 
-def capacity(max_staleness: int, version: int, batch_size: int) -> int:
-    """(η + v + 1)·B — the most groups that may be accepted or running at policy version v."""
-    return (max_staleness + version + 1) * batch_size
+def capacity(max_staleness: int, version: int, batch_size: int, credit: int = 0) -> int:
+    """(η + v + 1)·B + credit — the most groups that may be accepted or running at policy version v.
+    `credit`: groups the learner dropped as `filtered` (DAPO dynamic sampling) and replaced by an
+    extra read, so that it still consumes B entries per version net."""
+    return (max_staleness + version + 1) * batch_size + credit
 
 
-def allowed(accepted: int, running: int, max_staleness: int, version: int, batch_size: int) -> bool:
+def allowed(accepted: int, running: int, max_staleness: int, version: int, batch_size: int, credit: int = 0) -> bool:
     """Pure form of the gate's check (the Lua script is the authority; this is for tests and logs)."""
-    return accepted + running + 1 <= capacity(max_staleness, version, batch_size)
+    return accepted + running + 1 <= capacity(max_staleness, version, batch_size, credit)
 
 
 class StalenessGate:

@@ -7,7 +7,10 @@
                  ├─ ok     → buffer.add_group   (atomically: stream entry, accepted += 1, running −= 1)
                  └─ failed → gate.release        (the slot is freed; the prompt is not lost: retried)
 
-It never talks to the learner: the version key in Redis is the only thing it reads from it.
+It never talks to the learner: the version key in Redis is the only thing it reads from it — except
+that worker 0, when `data.val_files` is set, also runs the evaluator (rollout/evaluator.py) as a
+concurrent task answering the learner's validation requests (buffer/eval_channel.py); it takes no
+gate slot and writes nothing to the stream.
 On SIGTERM it stops starting groups, cancels what is in flight and frees those slots.
 """
 
@@ -15,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
 
 from areal_like import metrics as M
 from areal_like.api.config import decode_config
+from areal_like.api.run_files import Endpoints
 
 
 def _log(k: int, msg: str) -> None:
@@ -36,12 +39,10 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     from areal_like.engine.client import GenerationClient
     from areal_like.reward import RewardFn
     from areal_like.rollout.gate import StalenessGate
-    from areal_like.workflow.rlvr import RLVRWorkflow
 
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = decode_config(f.read())
-    with open(os.path.join(run_dir, "endpoints.json")) as f:
-        endpoints = json.load(f)
+    endpoints = Endpoints.load(run_dir)
     if metrics_port:
         M.serve(metrics_port)
     redis_url = os.environ["AREAL_LIKE_REDIS_URL"]
@@ -52,6 +53,14 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                             max_prompt_length=cfg.data.max_prompt_length,
                             apply_chat_template=cfg.data.apply_chat_template)
     prompts = dataset.iterate(seed=cfg.seed, shuffle=cfg.data.shuffle, shard=index, num_shards=n_workers)
+    val_dataset = None
+    if index == 0 and cfg.data.val_files:  # worker 0 also answers the learner's validation requests
+        for i, path in enumerate(cfg.data.val_files):
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"data.val_files[{i}]={path} does not exist: fix data.val_files=[…]")
+        val_dataset = PromptDataset(cfg.data.val_files, tokenizer, prompt_key=cfg.data.prompt_key,
+                                    max_prompt_length=cfg.data.max_prompt_length,
+                                    apply_chat_template=cfg.data.apply_chat_template)
     buffer = ReplayBuffer.from_config(cfg.buffer, url=redis_url)
     # One Redis endpoint for both: a Redis restart is noticed once and recovered in one fixed order.
     gate = StalenessGate.from_config(cfg.buffer, url=redis_url, batch_size=cfg.train.batch_size,
@@ -67,10 +76,12 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     retry: list = []  # prompts whose group failed: tried again before new ones
     seq = 0
 
-    async with GenerationClient(endpoints["servers"], request_timeout_s=cfg.rollout.request_timeout_s,
+    async with GenerationClient(endpoints.servers, request_timeout_s=cfg.rollout.request_timeout_s,
                                 api_key=cfg.server.api_key) as client:
-        workflow = RLVRWorkflow(client, reward_fn, cfg.generation, tokenizer, producer=f"rollout{index}",
-                                seed=cfg.seed)
+        from areal_like.workflow import get_workflow_class  # rollout.workflow → class (validated at load)
+
+        workflow = get_workflow_class(cfg.rollout.workflow)(client, reward_fn, cfg.generation, tokenizer,
+                                                            producer=f"rollout{index}", seed=cfg.seed)
 
         async def one(record, group_id: str) -> None:
             accepted = False
@@ -95,7 +106,27 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                 slots.release()
                 M.ROLLOUT_INFLIGHT.dec()
 
-        _log(index, f"started: {len(dataset)} prompts (shard {index}/{n_workers}), servers {endpoints['servers']}")
+        eval_task: asyncio.Task | None = None
+        eval_failed: list[BaseException] = []
+        if val_dataset is not None:
+            from areal_like.buffer.eval_channel import EvalChannel
+            from areal_like.rollout.evaluator import Evaluator
+
+            # Validation runs beside the rollouts: no gate slot, nothing written to the stream (evaluator.py).
+            evaluator = Evaluator(client, reward_fn, tokenizer, val_dataset, cfg.eval, cfg.generation,
+                                  EvalChannel.from_buffer(buffer, evaluator=f"rollout{index}"), seed=cfg.seed,
+                                  log=lambda msg: _log(index, msg))
+            eval_task = asyncio.create_task(evaluator.run(stop), name="evaluator")
+
+            def _eval_done(t: asyncio.Task) -> None:
+                if not t.cancelled() and t.exception() is not None:  # e.g. Redis gone for good: end the worker
+                    eval_failed.append(t.exception())
+                    _log(index, f"evaluator failed: {type(t.exception()).__name__}: {t.exception()}")
+                    stop.set()
+
+            eval_task.add_done_callback(_eval_done)
+            _log(index, f"evaluator: {len(evaluator.prompts)} validation prompts × eval.n={cfg.eval.n}")
+        _log(index, f"started: {len(dataset)} prompts (shard {index}/{n_workers}), servers {endpoints.servers}")
         while not stop.is_set():
             await slots.acquire()
             got = False
@@ -122,10 +153,12 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
         _log(index, f"stopping: cancelling {len(inflight)} group(s) in flight")
         for t in list(inflight):
             t.cancel()
-        await asyncio.gather(*inflight, return_exceptions=True)
+        if eval_task is not None:
+            eval_task.cancel()
+        await asyncio.gather(*inflight, *([eval_task] if eval_task is not None else []), return_exceptions=True)
     await reward_fn.close()
     await buffer.aclose()  # closes the endpoint the gate shares
-    return 0
+    return 1 if eval_failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,3 +258,26 @@ async def test_acquire_waits_for_the_learner_and_times_out_with_counters(redis_s
 if __name__ == "__main__" and sys.argv[1:2] == ["--produce"]:
     url_, stream_, eta_, b_, stop_, name_, n_ = sys.argv[2:9]
     producer_main(url_, stream_, int(eta_), int(b_), int(stop_), name_, int(n_))
+
+
+def test_filtered_groups_hand_their_place_back_to_the_gate(redis_server, redis_stream):
+    """DAPO dynamic sampling: the learner drops an all-equal-reward group as `filtered` and reads one
+    more in its place; the drop credits the gate in the same ack, so the capacity grows by one and
+    the learner still consumes B entries per version net. Other drop reasons credit nothing."""
+    gate = StalenessGate(redis_server.url, stream=redis_stream, max_staleness=0, batch_size=2)
+    buf = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100)
+    for k in range(2):
+        assert gate.try_acquire(f"s{k}")
+        assert buf.add_group(group(f"s{k}", 0))
+    assert not gate.try_acquire("s2") and gate.state()["capacity"] == 2  # (η + v + 1)·B = 2, all taken
+    (e0, _), (e1, _) = buf.read(2, 100, "learner-0")
+    buf.drop([e0], "stale")  # a consume-time drop is one of the B entries: no credit
+    assert gate.state()["capacity"] == 2 and not gate.try_acquire("s2")
+    buf.drop([e1], "filtered")
+    buf.drop([e1], "filtered")  # a retried ack counts once
+    assert gate.state()["capacity"] == 3
+    assert gate.try_acquire("s2")  # the replacement can be generated at the same version
+    assert not gate.try_acquire("s3")
+    assert buf.stats()["dropped"] == {"stale": 1, "filtered": 1}
+    gate.close()
+    buf.close()

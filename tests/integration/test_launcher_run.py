@@ -189,12 +189,14 @@ def test_unrunnable_allocations_fail_before_starting(tmp_path):
 
 
 def test_status_and_stop_from_another_shell(tmp_path, demo_assets):
+    """Also runs with metrics.prometheus=false: no role gets a metrics port or serves /metrics."""
     run_dir = tmp_path / "run"
-    proc = _launch(run_dir, demo_assets, "train.total_steps=1000")
+    proc = _launch(run_dir, demo_assets, "train.total_steps=1000", "metrics.prometheus=false")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.2)
+    _assert_no_role_serves_metrics(run_dir)
     status = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
@@ -207,10 +209,29 @@ def test_status_and_stop_from_another_shell(tmp_path, demo_assets):
     assert stop.returncode == 0, stop.stderr
     rc, out = _finish(proc, timeout=60)
     assert rc == 130 and "stopped by SIGTERM" in out, out[-2000:]
+    assert out.count("metrics.prometheus=false: no role serves /metrics") == 1, out[-2000:]
     _assert_all_gone(run_dir)
     after = subprocess.run([sys.executable, "-m", "launcher", "status", "--run-dir", str(run_dir)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert "running" not in after.stdout and "summary:" in after.stdout
+
+
+def _assert_no_role_serves_metrics(run_dir):
+    """metrics.prometheus=false: no targets, no metrics ports, no --metrics-port, servers' /metrics 404."""
+    import urllib.error
+    import urllib.request
+
+    assert json.loads((run_dir / "prometheus_targets.json").read_text()) == []
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    assert endpoints["metrics_ports"] == {}
+    roles = json.loads((run_dir / "pids.json").read_text())["roles"]
+    for name in ("server0", "learner", "rollout0"):
+        with open(f"/proc/{roles[name]}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert b"--metrics-port" not in argv, (name, argv)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(endpoints["servers"][0] + "/metrics", timeout=10)
+    assert e.value.code == 404
 
 
 def test_chat_prompts_and_custom_reward_function(tmp_path, demo_assets):

@@ -1,7 +1,11 @@
 """Numerical equivalence of the learner pool on CPU (gloo): for a tiny Qwen2 and a fixed batch of
 TrajectoryGroups, the loss, the full gradients (after dp reduction and clipping) and the weights
-after one optimizer step under d2, p2 (1F1B and GPipe), t2, d2p2, d2t2 and p2t2 equal the
-single-process `Learner`'s (fp32, 1e-5).
+after one optimizer step under d2, p2 (1F1B and GPipe), t2, d2p2, d2t2 and p2t2 equal a plain
+single-process oracle written here (one padded batch, the published loss; fp32, 1e-5).
+
+A second config per layout — GAE with its critic, a KL loss to the frozen reference and two PPO
+minibatches (so π_prox is recomputed by a forward-only pass, on a pipeline too) — must give the
+same losses, KL, value loss, actor and critic weights as the `Trainer` in one process.
 
 Two spawns in all (2 ranks, then 4): each rank builds every layout of its world size in turn on
 the same process group, so the test pays the interpreter start-up twice, not once per layout."""
@@ -12,7 +16,6 @@ import datetime
 import json
 import os
 
-import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -21,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from areal_like.api.config import TrainConfig
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import synthetic_groups
-from areal_like.learner.trainer import Learner
+from areal_like.api.config import AlgorithmConfig
+from areal_like.learner.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +37,9 @@ TEMP = 0.9
 CFG = dict(lr=1e-2, grad_clip=0.2, micro_batch_tokens=40, seed=3, behav_imp_weight_cap=2.0, warmup_steps=0,
            adam_eps=1e-6)
 LAYOUTS = {2: ["d2", "p2", "p2-gpipe", "t2"], 4: ["d2p2", "d2t2", "p2t2"]}
+EXT_CFG = dict(CFG, ppo_minibatches=2)
+EXT_ALG = AlgorithmConfig(adv_estimator="gae", use_kl_loss=True, kl_loss_coef=0.1, lam=0.95)
+EXT_KEYS = ("loss", "grad_norm", "kl_ref", "value_loss", "clipfrac", "optimizer_steps", "adv_abs_mean")
 
 
 def _free_port() -> int:
@@ -48,8 +55,6 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from areal_like.learner.parallel import ParallelLearner
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
@@ -57,7 +62,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
         for name in LAYOUTS[world]:
             layout, _, sched = name.partition("-")
             cfg = TrainConfig(**CFG, pp_schedule=sched or "1f1b", collective_timeout_s=120)
-            ln = ParallelLearner(model_dir, cfg, layout, temperature=TEMP)
+            ln = Trainer(model_dir, cfg, layout, temperature=TEMP)
             st = ln.train_step(groups, version=0)
             grads = ln.named_full_grads()
             weights = ln.named_tensors_for_push()
@@ -68,6 +73,17 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                     json.dump({k: st[k] for k in ("loss", "grad_norm", "loss_tokens", "skipped", "clipfrac",
                                                   "entropy", "behav_w_max")}, f)
             del ln
+            ext = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched or "1f1b", collective_timeout_s=120),
+                          layout, temperature=TEMP, algorithm=EXT_ALG)
+            st = ext.train_step(groups, version=0)
+            weights = ext.named_tensors_for_push()
+            critic = ext.critic.gather_full(dict(ext.critic.local), ext.device)
+            if rank == 0:
+                save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.ext.safetensors"))
+                save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{name}.critic.safetensors"))
+                with open(os.path.join(out_dir, f"{name}.ext.json"), "w") as f:
+                    json.dump({k: st[k] for k in EXT_KEYS}, f)
+            del ext
     finally:
         dist.destroy_process_group()
 
@@ -79,27 +95,73 @@ def model_dir(tmp_path_factory) -> str:
                             num_layers=4, num_heads=4, num_kv_heads=2, seed=0)
 
 
+def oracle_step(model_dir: str, cfg: TrainConfig, groups):
+    """One decoupled-PPO step the plainest way: one padded batch, GRPO advantages, the loss of
+    DESIGN invariant 5 over all loss tokens, clip, AdamW. Returns (stats, clipped grads, weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_like.learner.algorithms import decoupled_ppo_loss, entropy_from_logits, grpo_advantages
+    from areal_like.learner.logprobs import token_logprobs_from_logits
+
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = [t for g in groups for t in g.trajectories]
+    gidx = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor([len(g.trajectories) for g in groups]))
+    adv_N = grpo_advantages(torch.tensor([t.reward for t in samples], dtype=torch.float64), gidx)
+    T = max(t.num_tokens for t in samples)
+    ids = torch.zeros(len(samples), T, dtype=torch.long)
+    mask, behav = torch.zeros(len(samples), T), torch.zeros(len(samples), T)
+    for b, t in enumerate(samples):
+        n = t.num_tokens
+        ids[b, :n] = torch.from_numpy(t.ids_np().astype("int64"))
+        mask[b, :n] = torch.from_numpy(t.mask_np().astype("float32"))
+        behav[b, :n] = torch.from_numpy(t.logprobs_np().copy())
+    m = mask[:, 1:]
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    logp = token_logprobs_from_logits(logits, ids[:, 1:], TEMP)
+    loss, st = decoupled_ppo_loss(logp, logp.detach(), behav[:, 1:], adv_N.float()[:, None] * m, m,
+                                  eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
+                                  behav_imp_weight_cap=cfg.behav_imp_weight_cap)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    opt.step()
+    ent = (entropy_from_logits(logits.detach(), TEMP) * m).sum() / m.sum()
+    stats = {"loss": float(loss.detach()), "grad_norm": float(norm), "loss_tokens": int(m.sum()), "clipfrac": float(st["clipfrac"]),
+             "entropy": float(ent), "behav_w_max": float(st["behav_w_max"])}
+    persistent = set(model.state_dict())
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    weights.update({n: b for n, b in model.named_buffers() if n in persistent})
+    return stats, grads, weights
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """Single-process run: loss, clipped full gradients, weights after the step."""
-    torch.manual_seed(0)
+    """Single-process oracle: loss, clipped full gradients, weights after the step."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks; restored below (process-global)
-    ln = Learner(model_dir, TrainConfig(**CFG), temperature=TEMP)
-    grads: dict[str, torch.Tensor] = {}
-    orig = ln.optimizer.step
-
-    def step(*a, **k):
-        grads.update({n: p.grad.detach().clone() for n, p in ln.model.named_parameters() if p.grad is not None})
-        return orig(*a, **k)
-
-    ln.optimizer.step = step  # snapshot the clipped gradient right before it is applied
     try:
-        st = ln.train_step(synthetic_groups(7), version=0)
+        st, grads, weights = oracle_step(model_dir, TrainConfig(**CFG), synthetic_groups(7))
     finally:
         torch.set_num_threads(threads)
-    assert not st["skipped"] and st["grad_norm"] > CFG["grad_clip"]  # clipping is active
-    return st, grads, dict(ln.named_tensors_for_push())
+    assert st["grad_norm"] > CFG["grad_clip"]  # clipping is active
+    return st, grads, weights
+
+
+@pytest.fixture(scope="module")
+def ext_reference(model_dir):
+    """The extended config (critic, reference, minibatches) by the Trainer in one process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ln = Trainer(model_dir, TrainConfig(**EXT_CFG), None, temperature=TEMP, algorithm=EXT_ALG)
+        st = ln.train_step(synthetic_groups(7), version=0)
+        critic = dict(ln.critic.gather_full(dict(ln.critic.local), ln.device))
+        return st, dict(ln.named_tensors_for_push()), critic
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +191,18 @@ def test_one_step_matches_single_process(layout, reference, parallel_runs):
     for n in ref_weights:
         torch.testing.assert_close(weights[n], ref_weights[n], atol=1e-5, rtol=1e-5,
                                    msg=lambda m, n=n: f"weight {n}: {m}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[2] + LAYOUTS[4])
+def test_critic_reference_and_minibatches_match_single_process(layout, ext_reference, parallel_runs):
+    ref_st, ref_weights, ref_critic = ext_reference
+    assert ref_st["optimizer_steps"] == 2 and ref_st["kl_ref"] > 0 and ref_st["value_loss"] > 0
+    with open(os.path.join(parallel_runs, f"{layout}.ext.json")) as f:
+        st = json.load(f)
+    for k in EXT_KEYS:
+        assert st[k] == pytest.approx(ref_st[k], abs=1e-5, rel=1e-5), k
+    for fname, ref in (("ext", ref_weights), ("critic", ref_critic)):
+        got = load_file(os.path.join(parallel_runs, f"{layout}.{fname}.safetensors"))
+        assert set(got) == set(ref)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{fname} {n}: {m}")

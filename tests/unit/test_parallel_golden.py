@@ -28,13 +28,13 @@ def run_steps(model_dir: str) -> list[dict[str, float]]:
     import torch
 
     from areal_like.api.config import TrainConfig
-    from areal_like.learner.parallel import ParallelLearner
+    from areal_like.learner.trainer import Trainer
     from areal_like.learner.parallel.spawn import synthetic_groups
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # process-global: restored below
     try:
-        ln = ParallelLearner(model_dir, TrainConfig(**TRAIN), None, temperature=0.9)
+        ln = Trainer(model_dir, TrainConfig(**TRAIN), None, temperature=0.9)
         rows = []
         for step in range(1, STEPS + 1):
             st = ln.train_step(synthetic_groups(100 + step, version=step - 1), version=step - 1)

@@ -13,10 +13,11 @@ import torch.multiprocessing as mp
 
 from areal_like.api.config import TrainConfig
 from areal_like.learner.checkpoint import CheckpointManager
-from areal_like.learner.parallel import LayoutSpec, ParallelLayout, dp_share
+from areal_like.learner.batching import dp_share
+from areal_like.learner.parallel import LayoutSpec, ParallelLayout
 from areal_like.learner.parallel.parallelize import stage_layer_ids
 from areal_like.learner.parallel.spawn import synthetic_groups
-from areal_like.learner.trainer import lr_at
+from areal_like.learner.schedule import lr_at
 
 
 def test_spec_rank_order_is_tp_fastest_then_dp_then_pp():
@@ -54,7 +55,7 @@ def test_stage_layer_ids_balanced_and_contiguous():
 
 def test_dp_share_partitions_and_balances_tokens():
     samples = [t for g in synthetic_groups(3, n_groups=3, n=5) for t in g.trajectories]
-    shares = [dp_share(samples, 3, r) for r in range(3)]
+    shares = [dp_share(samples, list(range(len(samples))), 3, r) for r in range(3)]
     assert sorted(i for s in shares for i in s) == list(range(len(samples)))
     loads = [sum(samples[i].num_tokens for i in s) for s in shares]
     assert max(loads) - min(loads) <= max(t.num_tokens for t in samples)
@@ -68,17 +69,19 @@ def test_lr_schedule_warmup_then_decay():
     assert lr_at(TrainConfig(lr=0.1), 100) == 0.1
 
 
-def test_checkpoint_manager_resume_modes(tmp_path):
+def test_checkpoint_manager_resume_modes(tmp_path, monkeypatch):
+    from areal_like.learner import checkpoint
+
     class Fake:
         is_rank0 = True
         saved: list[str] = []
 
-        def save_checkpoint(self, path, extra):
-            os.makedirs(path)
-            self.saved.append(path)
+    def fake_save(trainer, path, extra):
+        os.makedirs(path)
+        trainer.saved.append(path)
 
-        def load_checkpoint(self, path):
-            return {"path": path}
+    monkeypatch.setattr(checkpoint, "save_checkpoint", fake_save)
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda trainer, path: {"path": path})
 
     m = CheckpointManager(str(tmp_path / "c"), save_freq=2, keep=2)
     ln = Fake()

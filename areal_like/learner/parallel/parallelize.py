@@ -97,8 +97,10 @@ def split_pipeline_stage(hf_model: nn.Module, layout: ParallelLayout) -> Pipelin
 
 
 def build_pipeline_schedule(stage_module: PipelineStageModule, layout: ParallelLayout, *, n_microbatches: int,
-                            loss_fn, schedule: str, device: torch.device, microbatch_shape: tuple[int, int]):
-    """A fresh `PipelineStage` + schedule for one step's micro-batch shapes.
+                            loss_fn, schedule: str, device: torch.device, microbatch_shape: tuple[int, int],
+                            out_dim: int | None = None):
+    """A fresh `PipelineStage` + schedule for one step's micro-batch shapes (`out_dim`: width of the
+    last stage's output; None = the vocabulary).
 
     Built per step because a `PipelineStage` infers its send/recv buffer shapes once, and a step's
     padded (B, T) changes with its data. `scale_grads=False`: the loss is already divided by the
@@ -114,7 +116,8 @@ def build_pipeline_schedule(stage_module: PipelineStageModule, layout: ParallelL
     meta = torch.device("meta")
     x = (torch.empty(B, T, dtype=torch.int64, device=meta) if stage_module.first
          else torch.empty(B, T, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True))  # ∂L/∂h goes back
-    y = torch.empty(B, T, cfg.vocab_size if stage_module.last else cfg.hidden_size, dtype=dtype, device=meta,
+    last_dim = cfg.vocab_size if out_dim is None else out_dim  # logits, or 1 for a critic's value head
+    y = torch.empty(B, T, last_dim if stage_module.last else cfg.hidden_size, dtype=dtype, device=meta,
                     requires_grad=True)
     stage = PipelineStage(stage_module, layout.pp_rank, layout.pp, device, input_args=x, output_args=y,
                           # gradients have their activations' shapes; stage 0's int64 ids have none

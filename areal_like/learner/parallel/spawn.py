@@ -66,7 +66,8 @@ def synthetic_groups(seed: int, *, n_groups: int = 4, n: int = 4, vocab: int = 6
 def main(argv: list[str] | None = None) -> int:
     from areal_like.api.config import TrainConfig
     from areal_like.learner.checkpoint import CheckpointManager
-    from areal_like.learner.parallel.learner import ParallelLearner, broadcast_groups
+    from areal_like.learner.parallel.broadcast import broadcast_groups
+    from areal_like.learner.trainer import Trainer
 
     ap = argparse.ArgumentParser(prog="python -m areal_like.learner.parallel.spawn")
     ap.add_argument("--model", required=True)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = msgspec.convert(json.loads(a.train_cfg), TrainConfig)
     rank = init_pool_from_env(cfg.collective_timeout_s)
     torch.set_num_threads(1)
-    learner = ParallelLearner(a.model, cfg, a.layout, temperature=a.temperature)
+    learner = Trainer(a.model, cfg, a.layout, temperature=a.temperature)
     ckpt = CheckpointManager.from_config(cfg, run_dir=os.path.dirname(os.path.abspath(a.out)))
     extra = ckpt.resume(learner)  # None on a fresh start
     start = learner.step

@@ -1,0 +1,98 @@
+"""What crosses a process boundary as a file of the run directory, as typed records.
+
+    endpoints.json   `Endpoints`   written by the launcher before any role starts; read by the
+                                   learner (servers to push to, its device) and rollout workers
+    metrics.jsonl    `StepMetrics` one line per learner step, appended by learner rank 0; read by
+                                   the launcher (progress line, summary.json) and by users
+
+Both are JSON through msgspec (never pickle, DESIGN invariant 6). A field added here is seen by
+every reader; a reader of an older file gets the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+
+ENDPOINTS_FILE = "endpoints.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    servers: list[str]
+    """Base URLs of the generation servers, in data-parallel order."""
+    metrics_ports: dict[str, int] = msgspec.field(default_factory=dict)
+    """role name → its /metrics port on 127.0.0.1."""
+    weight_backend: str = "gloo"
+    """torch.distributed backend of the weight-update group: nccl (SGLang on GPUs) or gloo."""
+    server_devices: list[int] | None = None
+    """Devices (= ranks in the weight-update group) of each server; None = one rank per server."""
+    learner_device: str = "cpu"
+
+    def dump(self, run_dir: str) -> None:
+        tmp = os.path.join(run_dir, ENDPOINTS_FILE + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(self), indent=1))
+        os.replace(tmp, os.path.join(run_dir, ENDPOINTS_FILE))
+
+    @classmethod
+    def load(cls, run_dir: str) -> "Endpoints":
+        path = os.path.join(run_dir, ENDPOINTS_FILE)
+        try:
+            with open(path, "rb") as f:
+                return msgspec.json.decode(f.read(), type=cls)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} is missing: roles are started by `launcher run`, which writes it "
+                                    "first") from None
+
+
+class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
+    """One learner step as `metrics.jsonl` records it (NaN where a step trained nothing)."""
+
+    step: int
+    version: int
+    """Policy version after this step's weights landed on every server."""
+    reward_mean: float
+    staleness_max: int
+    dropped_stale: int
+    filtered: int = 0
+    """Groups dropped by DAPO dynamic sampling (all rewards equal) while filling this step."""
+    samples: int
+    step_s: float
+    push_s: float
+    pause_window_s: float | None = None
+    fetch_s: float
+    loss: float
+    grad_norm: float
+    clipfrac: float
+    approx_kl: float
+    behav_w_min: float = float("nan")
+    behav_w_max: float
+    behav_tokens_capped: int = 0
+    """Loss tokens whose behaviour weight π_prox/π_behav exceeded the cap (capped or masked)."""
+    kl_ref: float | None = None
+    """Mean KL(π_θ ‖ π_ref) over loss tokens (the configured estimator); None without a reference."""
+    entropy: float = float("nan")
+    value_loss: float | None = None
+    """Critic loss (GAE only)."""
+    adv_abs_mean: float = float("nan")
+    optimizer_steps: int = 1
+    loss_tokens: int
+    skipped: bool
+    incarnation: int
+    val: dict[str, float] = msgspec.field(default_factory=dict)
+    """Validation results of this step (flattened to `val/<data_source>/<metric>` keys in the file)."""
+
+    def to_row(self) -> dict:
+        row = msgspec.to_builtins(self)
+        val = row.pop("val")
+        row.update(val)
+        return row
+
+
+def append_metrics(run_dir: str, m: StepMetrics) -> None:
+    # json (not msgspec) writes NaN as NaN, as earlier files and every reader (json.loads) expect.
+    with open(os.path.join(run_dir, METRICS_FILE), "a") as f:
+        f.write(json.dumps(m.to_row()) + "\n")
