@@ -3,9 +3,10 @@
     python examples/build_demo.py --out runs/_assets
 
 writes OUT/tiny_model/, OUT/demo_train.parquet and OUT/demo_val.parquet (32 validation prompts of their
-own seed) — existing ones are kept; --force rebuilds.
-The launcher calls `ensure_demo_assets(model_dir, train_file)` itself on first use, so running
-this by hand is optional. Nothing is downloaded.
+own seed) — existing ones are kept; --force rebuilds. Pass them as `model.path=OUT/tiny_model
+data.train_files=[OUT/demo_train.parquet]`. The demo config names the same assets `demo:tiny-qwen2`,
+`demo:next-digit` and `demo:next-digit-val`, which `launcher run` builds itself in its cache dir
+($AREAL_LIKE_CACHE/demo); this script is for a copy elsewhere. Nothing is downloaded.
 """
 
 from __future__ import annotations

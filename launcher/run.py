@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -133,15 +134,21 @@ def summarize(rows: list[dict], max_staleness: int, wall_s: float, new_rows: lis
     }
 
 
-def _progress(rows: list[dict], t0: float, total: int, depth: str) -> str:
+def _reward_failures_text(counts: dict[str, int]) -> str:
+    """"  reward failures: exception 12, timeout 3" for the progress line; "" while there are none."""
+    parts = [f"{kind} {n}" for kind, n in counts.items() if n]
+    return f"  reward failures: {', '.join(parts)}" if parts else ""
+
+
+def _progress(rows: list[dict], t0: float, total: int, depth: str, reward_failures: str = "") -> str:
     if not rows:
-        return f"[launcher] waiting for the first step… ({time.monotonic() - t0:.0f}s)"
+        return f"[launcher] waiting for the first step… ({time.monotonic() - t0:.0f}s){reward_failures}"
     r = rows[-1]
     el = time.monotonic() - t0
     sps = sum(x.get("samples", 0) for x in rows) / max(el, 1e-9)
     return (f"[launcher] step {r['step']}/{total}  version {r['version']}  reward {r['reward_mean']:.3f}  "
             f"samples/s {sps:.1f}  staleness max {max(x['staleness_max'] for x in rows)}  buffer {depth}  "
-            f"step {r['step_s']:.2f}s push {r['push_s']:.2f}s")
+            f"step {r['step_s']:.2f}s push {r['push_s']:.2f}s{reward_failures}")
 
 
 def cmd_run(args) -> int:
@@ -167,27 +174,21 @@ class Run:
         self._server_devices: list[int] | None = None  # devices per server in the weight-update group
         self._learner_device = "cpu"
         self._stop_reason: str | None = None
+        from areal_like.buffer.scripts import REWARD_FAILURE_KINDS
+
+        self._reward_failures: dict[str, int] = dict.fromkeys(REWARD_FAILURE_KINDS, 0)  # run totals, from Redis
+        self._reward_failures_shown: set[str] = set()  # kinds whose first failure was printed
+        self._buffer_stats: dict = {}  # buffer counters last read (added, duplicates, dropped, …)
 
     # ---- phases -------------------------------------------------------------------------------
     def _prepare_assets(self) -> None:
-        from areal_like.data.demo_task import ensure_demo_assets
+        """Demo names → cache paths; every model/data path checked before anything starts."""
+        from launcher.preflight import PreflightError, resolve_and_check
 
-        cfg = self.cfg
-        missing_model = not os.path.exists(os.path.join(cfg.model.path, "config.json"))
-        missing_data = [p for p in cfg.data.train_files if not os.path.exists(p)]
-        if missing_model and not cfg.model.build_demo_if_missing:
-            raise RunError(f"model.path={cfg.model.path} has no config.json: point model.path at an HF model directory")
-        if missing_data and not cfg.data.build_demo_if_missing:
-            raise RunError(f"data.train_files: {missing_data} do not exist: fix data.train_files=[…]")
-        if missing_model or missing_data:
-            print(f"[launcher] building demo assets (model {cfg.model.path}, data {cfg.data.train_files[0]})", flush=True)
-            ensure_demo_assets(cfg.model.path, cfg.data.train_files[0])
-        missing_val = [p for p in cfg.data.val_files if not os.path.exists(p)]
-        if missing_val and not cfg.data.build_demo_if_missing:
-            raise RunError(f"data.val_files: {missing_val} do not exist: fix data.val_files=[…]")
-        for p in missing_val:  # the demo's validation set (32 prompts of its own seed)
-            print(f"[launcher] building demo validation data {p}", flush=True)
-            ensure_demo_assets(None, None, val_file=p)
+        try:
+            resolve_and_check(self.cfg, log=lambda msg: print(f"[launcher] {msg}", flush=True))
+        except PreflightError as e:
+            raise RunError(str(e)) from None
 
     def _start_redis(self) -> str:
         if self.cfg.buffer.redis_url:
@@ -251,11 +252,15 @@ class Run:
                     "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads)]
             if not cfg.metrics.prometheus:
                 argv.append("--disable-metrics")
-            if cfg.server.api_key:
-                argv += ["--api-key", cfg.server.api_key]
-            if cfg.server.admin_api_key:
-                argv += ["--admin-api-key", cfg.server.admin_api_key]
-            roles.append(self.procs.start(f"server{i}", argv, env))
+            sv = cfg.server
+            argv += ["--max-n", str(sv.max_n), "--max-request-bytes", str(int(sv.max_request_mb * 2**20))]
+            for flag, value in (("--max-new-tokens-limit", sv.max_new_tokens_limit),
+                                ("--max-prompt-len", sv.max_prompt_len), ("--max-queued-tokens", sv.max_queued_tokens)):
+                if value is not None:
+                    argv += [flag, str(value)]
+            # Keys travel in the environment, not argv (/proc/<pid>/cmdline is readable by every user).
+            server_env = {**env, "AREAL_LIKE_API_KEY": sv.api_key or "", "AREAL_LIKE_ADMIN_API_KEY": sv.admin_api_key or ""}
+            roles.append(self.procs.start(f"server{i}", argv, server_env))
             urls.append(f"http://{cfg.server.host}:{port}")
         for i, (url, role) in enumerate(zip(urls, roles)):
             _wait_health(url, cfg.server.health_timeout_s, role, f"generation server {i}")
@@ -269,7 +274,12 @@ class Run:
         prev_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._prepare_assets()
-            with open(os.path.join(self.run_dir, "config.json"), "wb") as f:
+            if not self.cfg.server.admin_api_key:  # only the learner (it reads config.json) may update weights
+                self.cfg.server.admin_api_key = secrets.token_urlsafe(32)
+            # config.json holds the keys: owner-only, like the Redis password kept out of the run dir
+            fd = os.open(os.path.join(self.run_dir, "config.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with open(fd, "wb") as f:
                 from areal_like.api.config import encode_config
 
                 f.write(encode_config(self.cfg))
@@ -306,6 +316,7 @@ class Run:
             self._stop_reason = self._stop_reason or "interrupted"
             rc = 130
         finally:
+            self._final_reward_failures()
             self._shutdown()
             for s, h in prev_handlers.items():
                 signal.signal(s, h)
@@ -313,6 +324,8 @@ class Run:
             summary = summarize(rows, self.cfg.rollout.max_staleness, time.monotonic() - t0,
                                 new_rows=rows[self._rows_before:])
             summary["exit_reason"] = self._stop_reason or ("completed" if rc == 0 else "failed")
+            summary["reward_failures"] = dict(self._reward_failures)
+            summary["buffer"] = dict(self._buffer_stats)  # over the run dir's whole life (Redis AOF)
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"[launcher] {summary['exit_reason']}: {json.dumps(summary)}", flush=True)
@@ -370,14 +383,38 @@ class Run:
         raise KeyboardInterrupt
 
     def _buffer_depth(self) -> str:
+        """The buffer depth for the progress line; also refreshes the reward failure totals and prints
+        the first failure of each kind (with its traceback) once."""
         try:
             if self._buffer is None:
                 from areal_like.buffer.replay_buffer import ReplayBuffer
 
                 self._buffer = ReplayBuffer.from_config(self.cfg.buffer, url=self._redis_url)
-            return str(self._buffer.depth())
+            st = self._buffer.stats()
+            self._buffer_stats = {k: st[k] for k in ("added", "duplicates", "dropped", "stale_kept") if k in st}
+            self._reward_failures.update(st.get("reward_failures", {}))
+            self._show_first_reward_failures()
+            return str(st["depth"])
         except Exception as e:  # the progress line must never stop the run
             return f"? ({type(e).__name__})"
+
+    def _show_first_reward_failures(self) -> None:
+        new = [k for k, n in self._reward_failures.items() if n and k not in self._reward_failures_shown]
+        if not new:
+            return
+        _, first = self._buffer.reward_failure_details()
+        for kind in new:
+            self._reward_failures_shown.add(kind)
+            text = first.get(kind, "(no details recorded)")
+            print(f"\n[launcher] first reward failure of kind {kind} (scored 0; counted in summary.json and "
+                  f"metrics.jsonl as reward_failures/{kind}; further ones only counted):\n{text}",
+                  file=sys.stderr, flush=True)
+
+    def _final_reward_failures(self) -> None:
+        """Before Redis stops: the final totals for summary.json, and any first failure not printed yet."""
+        if self._redis_url is None or (self.redis is not None and not self.redis.is_running()):
+            return  # no Redis (or ours is dead): keep the last totals read rather than wait for it
+        self._buffer_depth()
 
     def _supervise(self, t0: float) -> int:
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -394,7 +431,8 @@ class Run:
                 if role.name == "learner" and role.proc.returncode == 0:
                     if tty:
                         print()
-                    print(_progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth()), flush=True)
+                    print(_progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth(),
+                                    _reward_failures_text(self._reward_failures)), flush=True)
                     return 0
                 self._stop_reason = f"{role.name} exited with code {role.proc.returncode}"
                 print(f"\n[launcher] {self._stop_reason}; last lines of {role.log_path}:\n{role.tail()}",
@@ -402,7 +440,8 @@ class Run:
                 return 1
             now = time.monotonic()
             if now - last_print >= (1.0 if tty else 10.0):
-                line = _progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth())
+                line = _progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth(),
+                                 _reward_failures_text(self._reward_failures))
                 print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n", flush=True)
                 last_print = now
             time.sleep(0.2)

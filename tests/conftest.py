@@ -1,4 +1,12 @@
 
+# ---- demo cache: `demo:` names resolve under a per-session tmp dir, never the user's ~/.cache ----------
+def pytest_configure(config):
+    import os
+    import tempfile
+
+    os.environ.setdefault("AREAL_LIKE_CACHE", tempfile.mkdtemp(prefix="areal_like-test-cache-"))
+
+
 # ---- redis_server: one real redis-server per test module (buffer/gate engineer) -------------------
 import pytest as _pytest_redis
 

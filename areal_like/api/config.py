@@ -29,17 +29,19 @@ WORKFLOW_NAMES: tuple[str, ...] = ("rlvr",)
 
 
 class ModelConfig(_Section):
-    path: str = "runs/_assets/tiny_model"
-    """HF model directory (config.json + safetensors + tokenizer files)."""
-    build_demo_if_missing: bool = True
-    """If `path` does not exist, build the tiny demo model there (examples/build_demo.py)."""
+    path: str = ""
+    """HF model directory (config.json + safetensors + tokenizer files), or `demo:tiny-qwen2` (the demo's
+    tiny model, built once in the cache dir `$AREAL_LIKE_CACHE`, default ~/.cache/areal_like). Required:
+    `launcher run` checks it before anything starts and never creates or writes a path you give."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the learner's and the embedded servers' model copies (float32 on CPU)."""
 
 
 class DataConfig(_Section):
-    train_files: list[str] = msgspec.field(default_factory=lambda: ["runs/_assets/demo_train.parquet"])
-    """verl-format parquet files: `prompt` (text or chat list), `reward_model.ground_truth`, `data_source`."""
+    train_files: list[str] = msgspec.field(default_factory=list)
+    """verl-format parquet files: `prompt` (text or chat list), `reward_model.ground_truth`, `data_source`;
+    or `demo:next-digit` (the demo task, built once in the cache dir). Required; checked (existence,
+    columns) by `launcher run` before anything starts."""
     prompt_key: str = "prompt"
     """Parquet column holding the prompt (verl `data.prompt_key`)."""
     max_prompt_length: int = 256
@@ -48,12 +50,10 @@ class DataConfig(_Section):
     """Each epoch visits the prompts in a seeded permutation (top-level `seed`); false = file order."""
     apply_chat_template: bool = False
     """Apply the tokenizer's chat template when `prompt` is a chat list (always when it is a list)."""
-    build_demo_if_missing: bool = True
-    """If the first of `train_files` does not exist, build the demo task's parquet there (and the demo's
-    32-prompt validation set at any missing `val_files`)."""
     val_files: list[str] = msgspec.field(default_factory=list)
-    """Validation parquet files (verl format, like train_files), read in order, never shuffled; empty = no
-    validation. Evaluated every `train.test_freq` steps with the `eval.*` sampling settings."""
+    """Validation parquet files (verl format, like train_files; `demo:next-digit-val` = the demo's 32
+    held-out prompts), read in order, never shuffled; empty = no validation. Evaluated every
+    `train.test_freq` steps with the `eval.*` sampling settings."""
 
 
 class RewardFunctionConfig(_Section):
@@ -63,6 +63,9 @@ class RewardFunctionConfig(_Section):
     """Function in `path`, called as `name(data_source, solution_str, ground_truth, extra_info)` (verl)."""
     timeout_s: float = 10.0
     """A reward call that takes longer counts as reward 0 and is logged; it never stalls rollout."""
+    num_workers: int = 4
+    """Reward worker processes per rollout worker: calls run concurrently up to this many; a call that waits
+    longer than `timeout_s` for a free one also scores 0 (a timeout), so a hung function never stalls a step."""
 
 
 class GenerationConfig(_Section):
@@ -109,11 +112,21 @@ class ServerConfig(_Section):
     api_key: str | None = None
     """Bearer key the servers require on /generate and /v1/*; None = open."""
     admin_api_key: str | None = None
-    """Bearer key the servers require on weight updates and pause/continue; None = open."""
+    """Bearer key the servers require on weight updates, pause/continue and flush; None = `launcher run` generates a random one."""
     device: str = "cpu"
     """Device of each embedded server: `cpu`, `cuda` or `cuda:N`."""
     torch_threads: int = 1
     """Compute threads per server; on a shared CPU, torch's default (one per core) thrashes ~10×."""
+    max_n: int = 128
+    """Most samples one request to an embedded server may ask for (`n` × its prompts; OpenAI's bound); more is a 400."""
+    max_new_tokens_limit: int | None = None
+    """Most `max_new_tokens` one request to an embedded server may ask for (tokens); None = up to the context length, as SGLang."""
+    max_prompt_len: int | None = None
+    """Most prompt tokens one request to an embedded server may carry; None = max_context_len − 1, as SGLang."""
+    max_request_mb: float = 8.0
+    """Largest request body an embedded server reads (MiB); a bigger one is a 413, refused before it is parsed."""
+    max_queued_tokens: int | None = None
+    """Prompt + max_new_tokens of all samples an embedded server holds at once (tokens); past it a request gets 429; None = 16 × max_batch_size × max_context_len."""
 
 
 class BufferConfig(_Section):
@@ -266,6 +279,11 @@ class RewardShapingConfig(_Section):
     ramp the reward down by up to overlong_penalty_factor; 0 = off."""
     overlong_penalty_factor: float = 1.0
     """Largest reward reduction of the overlong ramp (DAPO's penalty factor), reached at max_new_tokens."""
+    max_failure_fraction: float = 0.5
+    """A rollout worker stops the run (naming the reward function) when more than this fraction of its
+    last `failure_window` scored samples failed (raised, timed out, NaN, not a number); 1 = never."""
+    failure_window: int = 256
+    """Scored samples over which `max_failure_fraction` is measured (per rollout worker)."""
 
 
 class EvalConfig(_Section):

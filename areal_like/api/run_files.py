@@ -82,12 +82,16 @@ class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
     loss_tokens: int
     skipped: bool
     incarnation: int
+    reward_failures: dict[str, int] = msgspec.field(default_factory=dict)
+    """Reward calls that failed so far in the run, by kind (exception, timeout, non_finite, not_a_number),
+    over every rollout worker (flattened to `reward_failures/<kind>` keys in the file)."""
     val: dict[str, float] = msgspec.field(default_factory=dict)
     """Validation results of this step (flattened to `val/<data_source>/<metric>` keys in the file)."""
 
     def to_row(self) -> dict:
         row = msgspec.to_builtins(self)
         val = row.pop("val")
+        row.update({f"reward_failures/{k}": v for k, v in row.pop("reward_failures").items()})
         row.update(val)
         return row
 

@@ -615,6 +615,7 @@ class ReplayBuffer:
             "readded_after_restart": counters.get("readded_after_restart", 0),
             "lost_after_restart": counters.get("lost_after_restart", 0),
             "recommitted_after_restart": counters.get("recommitted_after_restart", 0),
+            "reward_failures": {kind: counters.get(f"reward_failures:{kind}", 0) for kind in scripts.REWARD_FAILURE_KINDS},
             "depth": int(xlen) - int(pending),
             "pending": int(pending),
             "oldest_age_s": age,
@@ -626,6 +627,27 @@ class ReplayBuffer:
         BUFFER_OLDEST_AGE.set(age)
         return st
 
+    def _g_count_reward_failures(self, counts: dict[str, int], first: dict[str, str]) -> OpGen:
+        k = self.keys
+        cmds = [Cmd("hincrby", (k.counters, f"reward_failures:{kind}", int(n))) for kind, n in counts.items() if n]
+        cmds += [Cmd("hsetnx", (k.reward_failures_first(), kind, text)) for kind, text in first.items()]
+        if cmds:
+            yield Call(f"count reward failures {counts}", k.counters, tuple(cmds), idempotent=False)
+
+    def _g_reward_failures(self, first: bool) -> OpGen:
+        k = self.keys
+        kinds = scripts.REWARD_FAILURE_KINDS
+        hmget = Cmd("hmget", (k.counters, *[f"reward_failures:{kind}" for kind in kinds]))
+        if first:
+            values, texts = yield Call("read reward failures", k.counters,
+                                       (hmget, Cmd("hgetall", (k.reward_failures_first(),))), idempotent=True)
+        else:
+            values, texts = (yield Call.one("read reward failure counters", k.counters, hmget, idempotent=True)), {}
+        counts = {kind: int(v) if v is not None else 0 for kind, v in zip(kinds, values)}
+        if not first:
+            return counts
+        return counts, {_s(f): _s(v) for f, v in (texts or {}).items()}
+
     def _g_get_version(self) -> OpGen:
         v = yield Call.one("get policy version", self.keys.version, Cmd("get", (self.keys.version,)), idempotent=True)
         return int(v) if v is not None else 0
@@ -633,6 +655,16 @@ class ReplayBuffer:
     def _g_set_version(self, version: int) -> OpGen:
         yield Call.one(f"set policy version {version}", self.keys.version,
                        Cmd("set", (self.keys.version, int(version))), idempotent=True)
+
+    def _g_rollout_cursor(self, worker: int) -> OpGen:
+        key = self.keys.rollout_cursor(worker)
+        raw = yield Call.one(f"get rollout{worker}'s cursor", key, Cmd("get", (key,)), idempotent=True)
+        return msgspec.json.decode(raw) if raw else None
+
+    def _g_set_rollout_cursor(self, worker: int, state: dict[str, Any]) -> OpGen:
+        key = self.keys.rollout_cursor(worker)
+        yield Call.one(f"set rollout{worker}'s cursor", key, Cmd("set", (key, msgspec.json.encode(state))),
+                       idempotent=True)
 
     def _g_filter_stale(self, entries: Sequence[Entry], current_version: int, max_staleness: int,
                         policy: StalePolicy) -> OpGen:
@@ -734,6 +766,22 @@ class ReplayBuffer:
         once per step); counters (added, consumed, dropped, …) are counted where they happen."""
         return self.stats()
 
+    def reward_failures(self) -> dict[str, int]:
+        """Reward failures of the run so far, by kind: {"exception": n, "timeout": n, "non_finite": n,
+        "not_a_number": n} (every kind present; totals over all rollout workers, cumulative over a
+        resumed run). One round trip. The learner's metrics row adds them as `reward_failures/<kind>`."""
+        return self.endpoint.run(self._g_reward_failures(first=False))
+
+    def reward_failure_details(self) -> tuple[dict[str, int], dict[str, str]]:
+        """(`reward_failures()`, {kind: the first failure of that kind — message and traceback}), one
+        round trip: what the launcher shows."""
+        return self.endpoint.run(self._g_reward_failures(first=True))
+
+    def count_reward_failures(self, counts: dict[str, int], first: dict[str, str] | None = None) -> None:
+        """Add `counts` ({kind: n}) to the run's reward failure counters and record `first` ({kind: text})
+        unless a failure of that kind was recorded before. Not retried (HINCRBY is not idempotent)."""
+        self.endpoint.run(self._g_count_reward_failures(dict(counts), dict(first or {})))
+
     def get_version(self) -> int:
         return self.endpoint.run(self._g_get_version())
 
@@ -774,8 +822,21 @@ class ReplayBuffer:
     async def depth_async(self) -> int:
         return (await self.stats_async())["depth"]
 
+    async def count_reward_failures_async(self, counts: dict[str, int], first: dict[str, str] | None = None) -> None:
+        await self.endpoint.arun(self._g_count_reward_failures(dict(counts), dict(first or {})))
+
+    async def reward_failures_async(self) -> dict[str, int]:
+        return await self.endpoint.arun(self._g_reward_failures(first=False))
+
     async def get_version_async(self) -> int:
         return await self.endpoint.arun(self._g_get_version())
 
     async def set_version_async(self, version: int) -> None:
         await self.endpoint.arun(self._g_set_version(version))
+
+    async def rollout_cursor_async(self, worker: int) -> dict[str, Any] | None:
+        """Rollout worker `worker`'s saved cursor (next group number, prompt position), or None."""
+        return await self.endpoint.arun(self._g_rollout_cursor(worker))
+
+    async def set_rollout_cursor_async(self, worker: int, state: dict[str, Any]) -> None:
+        await self.endpoint.arun(self._g_set_rollout_cursor(worker, state))

@@ -9,13 +9,19 @@ script may touch all of them atomically:
     {p}:version    STRING  policy version v (set by the learner after weights landed everywhere)
     {p}:counters   HASH    accepted, duplicates, acked, reclaimed, dropped:<reason>, stale_kept,
                            readded_after_restart, lost_after_restart, recommitted_after_restart,
-                           gate_credit (groups dropped as `filtered` and replaced by the learner)
+                           gate_credit (groups dropped as `filtered` and replaced by the learner),
+                           reward_failures:<kind> (reward calls that failed, by REWARD_FAILURE_KINDS;
+                           rollout workers add to them, the launcher and the learner read them)
     {p}:running    ZSET    gate slots held by groups being generated; member = slot id (the group
                            id the worker will produce), score = acquire time (ms, Redis clock)
     {p}:gid:<id>   STRING  idempotency marker of an accepted group (value = its entry id; TTL)
     {p}:trained    ZSET    group ids committed by the learner (score = commit time, ms, Redis
                            clock), written in the same script as their XACK; pruned after a TTL
     {p}:committed:<consumer>  STRING  the highest learner step committed by that consumer
+    {p}:reward_failures:first  HASH  kind → the first reward failure of that kind in the run (HSETNX;
+                           message + traceback), for the launcher to print once
+    {p}:rollout_cursor:<k>  STRING  JSON {seq, epoch, position, …}: rollout worker k's next group
+                           number and prompt cursor, so a re-run continues instead of regenerating
     {p}:eval:request, {p}:eval:result  STRING  the learner ↔ evaluator validation handshake
                            (no script touches them; buffer/eval_channel.py owns them)
 
@@ -50,6 +56,18 @@ class Keys:
 
     def committed(self, consumer: str) -> str:
         return f"{self.prefix}:committed:{consumer}"
+
+    def reward_failures_first(self) -> str:
+        return f"{self.prefix}:reward_failures:first"
+
+    def rollout_cursor(self, worker: int) -> str:
+        return f"{self.prefix}:rollout_cursor:{worker}"
+
+
+# Kinds of reward failure (each scores 0): the user's function raised (or its worker process died),
+# took longer than custom_reward_function.timeout_s (or waited that long for a free worker), returned
+# NaN/±inf, returned something that is not a number (a string, None, a dict without "score").
+REWARD_FAILURE_KINDS: tuple[str, ...] = ("exception", "timeout", "non_finite", "not_a_number")
 
 
 # Undelivered depth = XLEN − PEL size: acked entries are XDEL'd, so the stream holds exactly the

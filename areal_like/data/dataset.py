@@ -47,6 +47,37 @@ def _to_chat(raw: Any) -> list[dict[str, str]] | None:
     return None
 
 
+def check_verl_parquet(path: str, *, prompt_key: str = "prompt", where: str | None = None) -> int:
+    """Check a verl parquet file from its footer alone (no rows read): it exists, is parquet, and has
+    the prompt column and `reward_model` with a `ground_truth` field. Returns the row count.
+
+    `where` names the config key in error messages (e.g. "data.train_files[0]=x.parquet")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    where = where or path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{where} does not exist: point it at a verl-format parquet file "
+                                "(or use demo:next-digit for the demo task)")
+    try:
+        meta = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 — pyarrow raises several types for a non-parquet file
+        raise ValueError(f"{where} is not a parquet file ({type(e).__name__}: {e})") from None
+    schema = meta.schema_arrow
+    cols = set(schema.names)
+    if prompt_key not in cols:
+        raise ValueError(f"{where} has no column {prompt_key!r} (columns: {sorted(cols)}): "
+                         f"set data.prompt_key=<the column holding the prompt>")
+    if "reward_model" not in cols:
+        raise ValueError(f"{where} has no column 'reward_model' (columns: {sorted(cols)}): verl format needs "
+                         f"reward_model: {{ground_truth: ...}} per row; add it to the file")
+    rm = schema.field("reward_model").type
+    if not pa.types.is_struct(rm) or rm.get_field_index("ground_truth") < 0:
+        raise ValueError(f"{where}: column reward_model is {rm}, not a struct with a ground_truth field: "
+                         "write reward_model as {ground_truth: str, style: str}")
+    return meta.metadata.num_rows
+
+
 def read_verl_parquet(path: str, *, prompt_key: str = "prompt", where: str | None = None) -> list[dict[str, Any]]:
     """Rows of one verl parquet file as dicts with keys prompt, data_source, ground_truth, extra_info.
 

@@ -123,3 +123,28 @@ def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train
         build_demo_task(train_file, n_train=n_train, seed=seed)
     if val_file and not os.path.exists(val_file):
         build_demo_task(val_file, n_train=n_val, seed=val_seed, split="val")
+
+
+# ---- demo names: the only paths the system builds itself ------------------------------------------
+DEMO_NAMES = {"demo:tiny-qwen2": "tiny-qwen2", "demo:next-digit": "next-digit-train.parquet",
+              "demo:next-digit-val": "next-digit-val.parquet"}
+
+
+def demo_cache_dir() -> str:
+    """Where demo assets live: `$AREAL_LIKE_CACHE/demo` (default ~/.cache/areal_like/demo)."""
+    root = os.environ.get("AREAL_LIKE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "areal_like")
+    return os.path.join(root, "demo")
+
+
+def resolve_demo_name(name: str, key: str) -> str:
+    """The cache path of demo asset `name` (built on first use); ValueError naming `key` if unknown."""
+    if name not in DEMO_NAMES:
+        raise ValueError(f"{key}={name}: unknown demo asset; the demo names are {', '.join(sorted(DEMO_NAMES))}")
+    path = os.path.join(demo_cache_dir(), DEMO_NAMES[name])
+    if name == "demo:tiny-qwen2":
+        ensure_demo_assets(path, None)
+    elif name == "demo:next-digit":
+        ensure_demo_assets(None, path)
+    else:
+        ensure_demo_assets(None, None, val_file=path)
+    return path

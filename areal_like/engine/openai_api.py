@@ -12,7 +12,10 @@ Extensions (as in SGLang/vLLM), all optional:
   `chat_template_kwargs`.
 - reply: per choice `matched_stop` and `weight_version`.
 Not supported (400, never silently ignored): `echo`, `suffix`, `best_of` ≠ n, `logit_bias`, tools,
-non-text `response_format`. Other unknown fields are ignored, as SGLang and vLLM do.
+non-text `response_format`, audio, predicted outputs, web search. Unknown fields are a 400 naming
+them (as OpenAI's own API; SGLang and vLLM ignore them): every field OpenAI documents for the
+endpoint is known — request metadata (`model`, `user`, `metadata`, `store`, `service_tier`, …) is
+accepted and ignored. Flags must be booleans and numbers finite (the native validator's rules).
 
 This module knows nothing of the model or KV; it only shapes requests and replies.
 """
@@ -36,6 +39,23 @@ if TYPE_CHECKING:
 OPENAI_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models"}
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
+# Known top-level fields. OpenAI's documented ones plus the SGLang/vLLM extensions in the module doc;
+# *_NOOP fields are accepted only at their no-op value, *_META ones with any value (they change nothing here).
+_EXTENSIONS = {"top_k", "min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
+               "skip_special_tokens", "no_stop_trim", "return_token_ids", "return_tokens_as_token_ids"}
+_COMMON = {"frequency_penalty", "logprobs", "max_tokens", "n", "presence_penalty", "seed", "stop", "stream",
+           "stream_options", "temperature", "top_p"} | _EXTENSIONS
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of"}
+COMPLETION_NOOP = {"echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {})}
+COMPLETION_META = {"model", "user"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+                         "chat_template_kwargs"}
+CHAT_NOOP = {"logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+             "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"),
+             "audio": (None,), "prediction": (None,), "web_search_options": (None,), "modalities": (None, ["text"])}
+CHAT_META = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
+             "verbosity", "prompt_cache_key", "safety_identifier"}
+
 
 class OpenAIRoutes:
     def __init__(self, server: "GenerationServer"):
@@ -54,17 +74,17 @@ class OpenAIRoutes:
             "root": s.runner.model_path, "max_model_len": s.args.max_context_len}]})
 
     def _sampling(self, body: dict[str, Any], prompt_len: int, default_max: int | None) -> dict[str, Any]:
-        """OpenAI fields → the native sampling params, validated by the native validator."""
-        for key, ok in (("echo", (None, False)), ("suffix", (None, "")), ("logit_bias", (None, {})),
-                        ("tools", (None, [])), ("functions", (None, []))):
-            if body.get(key) not in ok:
-                raise BadRequest(f"{key}={body[key]!r} is not supported by the embedded server")
+        """OpenAI fields → the native sampling params, validated by the native validator (its
+        errors name the OpenAI field)."""
         rf = body.get("response_format")
         if rf not in (None, {}) and not (isinstance(rf, dict) and rf.get("type") == "text"):
             raise BadRequest("response_format other than text is not supported by the embedded server")
         if body.get("best_of") not in (None, body.get("n") or 1):
             raise BadRequest("best_of must equal n")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+        mt_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = body.get(mt_key)
+        if max_tokens is None:
+            max_tokens = default_max
         sp = {"max_new_tokens": max_tokens, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
               "n": body.get("n"), "stop": body.get("stop"), "sampling_seed": body.get("seed"),
               "frequency_penalty": body.get("frequency_penalty"), "presence_penalty": body.get("presence_penalty"),
@@ -73,29 +93,21 @@ class OpenAIRoutes:
               "ignore_eos": body.get("ignore_eos"), "stop_token_ids": body.get("stop_token_ids"),
               "skip_special_tokens": body.get("skip_special_tokens"), "no_stop_trim": body.get("no_stop_trim")}
         sp = {k: v for k, v in sp.items() if v is not None or k == "max_new_tokens"}
-        return self.srv._sampling(sp, prompt_len)
+        names = {"max_new_tokens": mt_key, "sampling_seed": "seed", "min_new_tokens": "min_tokens"}
+        return self.srv._sampling(sp, prompt_len, where="", names=names)
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        tok = self.srv.tokenizer
-        V = self.srv.runner.vocab_size
+    async def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        srv = self.srv
         if isinstance(prompt, str):
-            prompts = [tok.encode(prompt, add_special_tokens=False)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [tok.encode(p, add_special_tokens=False) for p in prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [list(prompt)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-            prompts = [list(p) for p in prompt]
-        else:
-            raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of lists")
-        for p in prompts:
-            if not p:
-                raise BadRequest("'prompt' is empty")
-            if not all(isinstance(i, int) and 0 <= i < V for i in p):
-                raise BadRequest(f"'prompt' token ids must be in [0, {V})")
-        return prompts
+            return await srv.text_prompts([prompt], "prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            srv.check_prompt_count(len(prompt), "'prompt'")
+            return await srv.text_prompts(prompt, "prompt")
+        if isinstance(prompt, list) and prompt:
+            return srv.token_prompts(prompt, "prompt")[0]
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of lists")
 
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+    async def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("'messages' must be a non-empty list")
@@ -113,27 +125,49 @@ class OpenAIRoutes:
         if not getattr(tok, "chat_template", None):
             raise BadRequest("the tokenizer has no chat template")
         kwargs = body.get("chat_template_kwargs") or {}
-        try:
-            text = tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **kwargs)
+        if not isinstance(kwargs, dict):
+            raise BadRequest("'chat_template_kwargs' must be an object")
+
+        def render() -> str:
+            return tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **kwargs)
+
+        try:  # on the tokenizer thread: a long conversation does not stall the event loop
+            text = await self.srv.run_tokenizer(render)
         except Exception as e:  # template errors (bad roles, …) are the caller's
             raise BadRequest(f"chat template failed: {type(e).__name__}: {e}")
-        ids = tok.encode(text, add_special_tokens=False)
-        if not ids:
-            raise BadRequest("the chat template produced an empty prompt")
+        if not isinstance(text, str):
+            raise BadRequest("chat template failed: it did not render a string")
+        try:
+            (ids,) = await self.srv.text_prompts([text], "messages")
+        except BadRequest as e:
+            if "is empty" in str(e):
+                raise BadRequest("the chat template produced an empty prompt") from None
+            raise
         return ids
 
     def _top_n(self, value: Any, name: str) -> int:
-        try:
-            n = int(value or 0)
-        except (TypeError, ValueError):
-            raise BadRequest(f"{name} must be an integer")
+        if value is None:
+            return 0
+        if type(value) is not int:
+            raise BadRequest(f"{name} must be an integer, got {value!r}"[:200])
+        n = value
         if not 0 <= n <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"{name} must be in [0, {MAX_TOP_LOGPROBS}]")
         return n
 
+    def _flags(self, body: dict[str, Any], *keys: str) -> None:
+        for k in keys:
+            if body.get(k) is not None and not isinstance(body[k], bool):
+                raise BadRequest(f"{k} must be true or false, got {body[k]!r}"[:200])
+        so = body.get("stream_options")
+        if so is not None and not (isinstance(so, dict) and isinstance(so.get("include_usage", False), bool)):
+            raise BadRequest("stream_options must be an object like {\"include_usage\": true}")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.srv._json(request)
-        prompts = self._completion_prompts(body.get("prompt"))
+        self.srv.check_fields(body, COMPLETION_FIELDS, COMPLETION_NOOP, COMPLETION_META, "/v1/completions")
+        self._flags(body, "stream", "return_token_ids", "return_tokens_as_token_ids")
+        prompts = await self._completion_prompts(body.get("prompt"))
         want_lp = body.get("logprobs") is not None
         top_n = self._top_n(body.get("logprobs"), "logprobs") if want_lp else 0
         params = [self._sampling(body, len(p), default_max=16) for p in prompts]  # OpenAI's default: 16
@@ -141,7 +175,9 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.srv._json(request)
-        prompt = self._chat_prompt(body)
+        self.srv.check_fields(body, CHAT_FIELDS, CHAT_NOOP, CHAT_META, "/v1/chat/completions")
+        self._flags(body, "stream", "logprobs", "return_token_ids", "return_tokens_as_token_ids")
+        prompt = await self._chat_prompt(body)
         want_lp = bool(body.get("logprobs"))
         top_n = self._top_n(body.get("top_logprobs"), "top_logprobs")
         if top_n and not want_lp:
@@ -154,16 +190,19 @@ class OpenAIRoutes:
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + base
         jobs = self.srv.make_jobs(prompts, params, [f"{base}_{i}" if len(prompts) > 1 else base
                                                     for i in range(len(prompts))], top_n)
-        fmt = _Format(self.srv, kind, rid, body, want_lp, top_n)
-        if body.get("stream"):
-            return await self._stream(request, jobs, fmt, prompts)
-        reqs = await _gather(self.srv, jobs)
-        choices = [fmt.choice(j, r) for j, r in zip(jobs, reqs)]
-        reply = fmt.envelope(choices)
-        reply["usage"] = _usage(prompts, jobs)
-        if fmt.return_token_ids:
-            reply["prompt_token_ids"] = prompts[0] if len(prompts) == 1 else prompts
-        return web.json_response(reply)
+        try:  # a client that disconnects cancels this handler: its requests abort
+            fmt = _Format(self.srv, kind, rid, body, want_lp, top_n)
+            if body.get("stream"):
+                return await self._stream(request, jobs, fmt, prompts)
+            reqs = await _gather(self.srv, jobs)
+            choices = [fmt.choice(j, r) for j, r in zip(jobs, reqs)]
+            reply = fmt.envelope(choices)
+            reply["usage"] = _usage(prompts, jobs)
+            if fmt.return_token_ids:
+                reply["prompt_token_ids"] = prompts[0] if len(prompts) == 1 else prompts
+            return web.json_response(reply)
+        finally:
+            self.srv.release(jobs)
 
     async def _stream(self, request, jobs, fmt: "_Format", prompts) -> web.StreamResponse:
         """OpenAI SSE chunks: incremental text (or delta.content) and logprobs, finish_reason on

@@ -65,6 +65,7 @@ class Scheduler:
         self._task: asyncio.Task | None = None
         self._closing = False
         self.max_running_seen = 0
+        self._step_waiters: list[asyncio.Future] = []  # resolved when the next engine step completes
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -98,8 +99,9 @@ class Scheduler:
         """Queue `seq` (waiting while paused) and return its finished Request."""
         return await self.submit_request(self.new_request(seq))
 
-    async def submit_request(self, req: Request) -> Request:
-        """Queue a Request made by `new_request` and wait until it finished."""
+    async def submit_request(self, req: Request, front: bool = False) -> Request:
+        """Queue a Request made by `new_request` and wait until it finished; `front` jumps the
+        queue (health checks). Cancelling the caller aborts the request and frees its row."""
         seq = req.seq
         self.by_rid[seq.rid] = req
         try:
@@ -113,13 +115,29 @@ class Scheduler:
                     if req in self.held:
                         self.held.remove(req)
             if not req.done:
-                self.waiting.append(req)
+                if front:
+                    self.waiting.appendleft(req)
+                else:
+                    self.waiting.append(req)
                 metrics.GEN_WAITING.set(len(self.waiting))
                 self._wake.set()
             return await req.future
         except asyncio.CancelledError:  # client went away: stop spending compute on it
             self._abort(req, "client disconnected")
             raise
+
+    async def next_step(self) -> None:
+        """Return when the engine next completes a step (one already running counts): proof of life
+        for /health even when every row is busy (SGLang's health check uses the same rule)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._step_waiters.append(fut)
+        await fut
+
+    def _steps_completed(self) -> None:
+        waiters, self._step_waiters = self._step_waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by request") -> int:
         """Abort by rid prefix (or all). Returns how many were aborted."""
@@ -218,6 +236,7 @@ class Scheduler:
                 await self.run_on_engine(self.runner.release, list(self._to_drop))
                 self._to_drop = []
                 continue
+            self._steps_completed()
             metrics.GEN_BUSY_SECONDS.inc(out.seconds)
             metrics.GEN_PROMPT_TOKENS.inc(out.prefill_tokens)
             metrics.GEN_TOKENS.inc(len(out.tokens))

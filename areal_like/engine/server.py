@@ -3,23 +3,40 @@
     python -m areal_like.engine.server --model-path DIR --host 127.0.0.1 --port P [--device cpu|cuda]
         [--dtype float32|bfloat16] [--max-batch-size 64] [--max-context-len 512] [--weight-version 0]
         [--random-seed S] [--api-key K] [--admin-api-key K] [--torch-threads N] [--max-prefill-tokens N]
-        [--served-model-name NAME] [--disable-metrics]
+        [--served-model-name NAME] [--disable-metrics] [--max-n 128] [--max-new-tokens-limit N]
+        [--max-prompt-len N] [--max-request-bytes 8388608] [--max-queued-tokens N]
+    (the keys may come from AREAL_LIKE_API_KEY / AREAL_LIKE_ADMIN_API_KEY instead: argv is world-readable)
 
 aiohttp on uvloop. This module parses and validates requests, tokenizes text, and shapes replies
 (SGLang native protocol here, OpenAI-compatible /v1/* in `openai_api`); the scheduler (continuous
 batching) and runner (model + slot KV cache) do the work on one engine thread. Weight receives
-(blocking collectives) run on other threads, so the HTTP loop never blocks.
-Not implemented (400 with a message, never silently ignored): constrained decoding (json_schema,
-regex, ebnf, structural_tag), logit_bias, custom logit processors.
+(blocking collectives) and tokenization of text prompts run on other threads, so the HTTP loop never
+blocks. Not implemented (400 with a message, never silently ignored): constrained decoding
+(json_schema, regex, ebnf, structural_tag), logit_bias, custom logit processors.
+
+Hardening (one request must not take the server down):
+- limits: body bytes (413, checked before reading), samples per request (`n` × prompts), prompt
+  tokens, max_new_tokens (400), and the tokens all admitted requests may hold (prompt +
+  max_new_tokens per sample; 400 if one request alone exceeds it, 429 while the queue is full);
+  a text longer than any allowed prompt could be is refused before it is tokenized;
+- strict validation: unknown top-level fields and sampling params are 400s naming the field;
+  numbers must be finite, integers and token ids real integers (not booleans), flags booleans;
+- a client that disconnects cancels its handler (aiohttp `handler_cancellation`), which aborts its
+  requests and frees their KV rows; admin handlers are shielded so a weight update runs to its end;
+- `/health` answers as soon as the engine completes a step (SGLang's rule), so a full batch never
+  makes a live server look dead.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
+import math
+import os
 import random
 import signal
 import time
@@ -33,7 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import areal_like
 from areal_like import metrics
-from areal_like.engine.errors import BadRequest
+from areal_like.engine.errors import BadRequest, PayloadTooLarge, RequestError, TooManyQueued
 from areal_like.engine.openai_api import OPENAI_PATHS, OpenAIRoutes
 from areal_like.engine.runner import ModelRunner, Seq
 from areal_like.engine.sampling import derive_seed
@@ -51,6 +68,23 @@ SUPPORTED_PARAMS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", 
 # Accepted only at their no-op value: anything else is a 400 saying the embedded server lacks it.
 NOOP_PARAMS = {"json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
                "logit_bias": (None, {}), "custom_params": (None,)}
+# Top-level /generate fields. SGLang's GenerateReqInput has more; those listed in GENERATE_NOOP are
+# accepted at their no-op value only, GENERATE_META (request bookkeeping) with any value, anything
+# else is a 400 naming the field.
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "return_text_in_logprobs", "stream"}
+GENERATE_NOOP = {"input_embeds": (None,), "image_data": (None, []), "video_data": (None, []),
+                 "audio_data": (None, []), "modalities": (None, []), "session_params": (None,),
+                 "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,),
+                 "token_ids_logprob": (None,), "return_hidden_states": (None, False),
+                 "return_routed_experts": (None, False), "return_entropy": (None, False),
+                 "return_bytes": (None, False), "return_prompt_token_ids": (None, False),
+                 "background": (None, False), "bootstrap_host": (None,), "bootstrap_port": (None,),
+                 "bootstrap_room": (None,), "bootstrap_pair_key": (None,), "data_parallel_rank": (None, 0),
+                 "routed_dp_rank": (None, 0)}
+GENERATE_META = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id", "routing_key",
+                 "extra_key", "priority"}
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
                "/begin_weight_update", "/end_weight_update"}
@@ -60,9 +94,42 @@ OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 def error(message: str, status: int = 400, openai: bool = False) -> web.Response:
     body: dict[str, Any] = {"message": message}
     if openai:  # OpenAI's error object is a superset of the native one
-        kind = {400: "BadRequestError", 401: "Unauthorized"}.get(status, "InternalServerError")
+        kind = {400: "BadRequestError", 401: "Unauthorized", 413: "RequestTooLargeError",
+                429: "RateLimitError"}.get(status, "InternalServerError")
         body.update(type=kind, param=None, code=status)
     return web.json_response({"error": body}, status=status)
+
+
+def _short(v: Any, n: int = 60) -> str:
+    """repr of a client's value, cut to `n` characters for error messages."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "…"
+
+
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for (its vocabulary string is at least as long:
+    byte-level BPE spells each byte as one character)."""
+    try:
+        return max(1, max(len(t) for t in tokenizer.get_vocab()))
+    except Exception:  # a tokenizer without a readable vocabulary: a generous guess
+        return 64
+
+
+async def _shielded(coro):
+    """Await `coro` as a task that a cancellation of the caller does not stop."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its outcome is nobody's now
+        raise
 
 
 def sse_error(message: str, status: int) -> bytes:
@@ -77,6 +144,7 @@ class Job:
     sp: dict[str, Any]
     prompt_index: int
     index: int
+    cost: int = 0  # tokens this sample holds in the queue budget: prompt + max_new_tokens
 
 
 @dataclass
@@ -103,11 +171,15 @@ class GenerationServer:
         self.rng = random.Random(args.random_seed)
         self.update_lock = asyncio.Lock()
         self.started = time.time()
+        self.queued_tokens = 0  # Σ Job.cost of the requests being served (admission budget)
+        # Text prompts are tokenized here, off the event loop (a fast tokenizer releases the GIL).
+        self.tok_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.max_token_chars = _max_token_chars(self.tokenizer)
         self._set_version(str(args.weight_version))
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors_and_auth], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._errors_and_auth], client_max_size=self.args.max_request_bytes)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_get("/health", self.health)
@@ -140,6 +212,7 @@ class GenerationServer:
 
     async def _on_cleanup(self, app) -> None:
         await self.scheduler.close()
+        self.tok_executor.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.receiver.close)
 
     @web.middleware
@@ -155,9 +228,11 @@ class GenerationServer:
                 return error("Unauthorized", 401, openai=path in OPENAI_PATHS)
         oa = path in OPENAI_PATHS
         try:
-            return await handler(request)
-        except BadRequest as e:
-            return error(str(e), 400, oa)
+            if path in ADMIN_PATHS:  # a caller that disconnects must not cut a weight update in half
+                return await _shielded(handler(request))
+            return await handler(request)  # cancelled if the client disconnects: its requests abort
+        except RequestError as e:
+            return error(str(e), e.status, oa)
         except web.HTTPException as e:
             if e.status >= 400:
                 return error(e.reason or str(e), e.status, oa)
@@ -171,9 +246,18 @@ class GenerationServer:
     async def _json(self, request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
             return {}
+        limit = self.args.max_request_bytes
+        too_big = (f"request body of {{}} bytes is over the server's limit of {limit} bytes "
+                   f"(--max-request-bytes / server.max_request_mb)")
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(too_big.format(request.content_length))  # refused before reading it
         try:
-            body = await request.json()
-        except ValueError as e:
+            raw = await request.read()  # aiohttp stops a chunked body at client_max_size
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(too_big.format(f"more than {limit}")) from None
+        try:
+            body = json.loads(raw)  # (json, not msgspec: NaN must parse so the 400 can name its field)
+        except (ValueError, RecursionError) as e:
             raise BadRequest(f"request body is not valid JSON: {e}")
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
@@ -187,33 +271,105 @@ class GenerationServer:
             pass
 
     # ---------------------------------------------------------------- /generate
-    def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
+    def check_fields(self, body: dict[str, Any], allowed: set[str], noop: dict[str, tuple], meta: set[str],
+                     what: str) -> None:
+        """400 naming every unknown top-level field, or a known one set to what we do not support."""
+        unknown = [k for k in body if k not in allowed and k not in noop and k not in meta]
+        if unknown:
+            names = ", ".join(repr(k) for k in unknown)
+            raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {names} in the {what} body "
+                             f"(supported: {', '.join(sorted(allowed))})")
+        for k, ok in noop.items():
+            if k in body and body[k] not in ok:
+                raise BadRequest(f"{k}={_short(body[k])} is not supported by the embedded server")
+
+    def check_prompt_len(self, n: int, where: str) -> None:
+        ctx, lim = self.args.max_context_len, self.args.max_prompt_len
+        if n >= ctx:
+            raise BadRequest(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+        if n > lim:
+            raise BadRequest(f"{where}: the input ({n} tokens) is longer than the server's prompt limit of {lim} "
+                             f"tokens (--max-prompt-len)")
+
+    def check_prompt_count(self, n: int, where: str) -> None:
+        if n > self.args.max_n:
+            raise BadRequest(f"{where} holds {n} prompts; one request may ask for at most {self.args.max_n} "
+                             f"samples (--max-n)")
+
+    def token_prompts(self, ids: Any, name: str) -> tuple[list[list[int]], bool]:
+        """`ids` (a list of token ids, or a list of such lists) validated: (prompts, is_batch).
+        Lengths and counts are checked before any per-token work; token ids must be real integers."""
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest(f"'{name}' is empty" if ids == [] else
+                             f"'{name}' must be a list of token ids or a list of lists of token ids")
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        if batch:
+            self.check_prompt_count(len(prompts), f"'{name}'")
+        V = self.runner.vocab_size
+        for k, p in enumerate(prompts):
+            where = f"'{name}'" + (f"[{k}]" if batch else "")
+            if not isinstance(p, list):
+                raise BadRequest(f"'{name}' must be a list of token ids or a list of lists of token ids")
+            if not p:
+                raise BadRequest(f"{where} is empty")
+            self.check_prompt_len(len(p), where)
+            if not (all(type(t) is int for t in p) and 0 <= min(p) and max(p) < V):
+                pos, bad = next((i, t) for i, t in enumerate(p) if type(t) is not int or not 0 <= t < V)
+                raise BadRequest(f"{where} must be token ids (integers in [0, {V})): got {_short(bad)} at "
+                                 f"position {pos}")
+        return prompts, batch
+
+    async def text_prompts(self, texts: list[str], name: str) -> list[list[int]]:
+        """Tokenize `texts` on the tokenizer thread; a text too long for any allowed prompt is refused
+        before it is tokenized (a token spans at most `max_token_chars` characters; ×4 for safety)."""
+        limit = 4 * self.args.max_prompt_len * self.max_token_chars
+        for k, t in enumerate(texts):
+            if len(t) > limit:
+                where = f"'{name}'" + (f"[{k}]" if len(texts) > 1 else "")
+                raise BadRequest(f"{where} is {len(t)} characters long: longer than any prompt of at most "
+                                 f"{self.args.max_prompt_len} tokens (--max-prompt-len) can be")
+        prompts = await asyncio.get_running_loop().run_in_executor(self.tok_executor, self._encode, texts)
+        for k, p in enumerate(prompts):
+            where = f"'{name}'" + (f"[{k}]" if len(texts) > 1 else "")
+            if not p:
+                raise BadRequest(f"{where} is empty")
+            self.check_prompt_len(len(p), where)
+        return prompts
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Tokenizer thread: token ids of each text (no special tokens added)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the Rust batch encode releases the GIL: the event loop keeps running
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    async def run_tokenizer(self, fn, *args):
+        """Run `fn` (template rendering, tokenization) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tok_executor, fn, *args)
+
+    async def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise BadRequest("give exactly one of 'text' or 'input_ids'")
         if text is not None:
             if isinstance(text, str):
-                return [self.tokenizer.encode(text, add_special_tokens=False)], False
+                return await self.text_prompts([text], "text"), False
             if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                return [self.tokenizer.encode(t, add_special_tokens=False) for t in text], True
+                self.check_prompt_count(len(text), "'text'")
+                return await self.text_prompts(text, "text"), True
             raise BadRequest("'text' must be a string or a non-empty list of strings")
-        if not isinstance(ids, list) or not ids:
-            raise BadRequest("'input_ids' is empty")
-        if all(isinstance(i, int) for i in ids):
-            prompts, batch = [ids], False
-        elif all(isinstance(p, list) for p in ids):
-            prompts, batch = ids, True
-        else:
-            raise BadRequest("'input_ids' must be a list of ints or a list of lists of ints")
-        V = self.runner.vocab_size
-        for p in prompts:
-            if not p:
-                raise BadRequest("'input_ids' is empty")
-            if not all(isinstance(i, int) and 0 <= i < V for i in p):
-                raise BadRequest(f"'input_ids' must be token ids in [0, {V})")
-        return prompts, batch
+        return self.token_prompts(ids, "input_ids")
 
-    def _sampling(self, sp: Any, prompt_len: int) -> dict[str, Any]:
+    def _sampling(self, sp: Any, prompt_len: int, where: str = "sampling_params.",
+                  names: dict[str, str] | None = None) -> dict[str, Any]:
+        """Validated sampling params with defaults. Errors name the field as the caller wrote it:
+        `where` + (`names[key]` or key) — OpenAI's handlers pass their own field names."""
+        names = names or {}
+
+        def fld(key: str) -> str:
+            return f"{where}{names.get(key, key)}"
+
         if sp is None:
             sp = {}
         if not isinstance(sp, dict):
@@ -223,80 +379,125 @@ class GenerationServer:
             raise BadRequest(f"unknown sampling_params: {sorted(unknown)}")
         for k, noop in NOOP_PARAMS.items():
             if k in sp and sp[k] not in noop:
-                raise BadRequest(f"sampling_params.{k}={sp[k]!r} is not supported by the embedded server")
-        ctx = self.args.max_context_len
+                raise BadRequest(f"{fld(k)}={_short(sp[k])} is not supported by the embedded server")
+
+        def num(key: str, default: float) -> float:
+            v = sp.get(key)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+                raise BadRequest(f"{fld(key)} must be a finite number, got {_short(v)}")
+            return float(v)
+
+        def integer(key: str, default: int | None) -> int | None:
+            v = sp.get(key)
+            if v is None:
+                return default
+            if type(v) is not int:
+                raise BadRequest(f"{fld(key)} must be an integer, got {_short(v)}")
+            return v
+
+        def flag(key: str, default: bool) -> bool:
+            v = sp.get(key)
+            if v is None:
+                return default
+            if not isinstance(v, bool):
+                raise BadRequest(f"{fld(key)} must be true or false, got {_short(v)}")
+            return v
+
+        ctx, a = self.args.max_context_len, self.args
         if prompt_len >= ctx:
             raise BadRequest(f"The input ({prompt_len} tokens) is longer than the model's context length ({ctx} tokens).")
-        mnt = sp.get("max_new_tokens", 128)
-        if mnt is None:
-            mnt = ctx - prompt_len
+        if "max_new_tokens" in sp and sp["max_new_tokens"] is None:  # null: up to the context (and server) limit
+            mnt = min(ctx - prompt_len, a.max_new_tokens_limit)
+        else:
+            mnt = integer("max_new_tokens", min(128, a.max_new_tokens_limit))
         stop = sp.get("stop")
         if stop is None:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-            raise BadRequest("sampling_params.stop must be a string or a list of strings")
-
-        def num(key, default, cast=float):
-            v = sp.get(key)
-            return default if v is None else cast(v)
-
-        try:
-            out = {
-                "max_new_tokens": int(mnt),
-                "temperature": num("temperature", 1.0),
-                "top_p": num("top_p", 1.0),
-                "top_k": num("top_k", -1, int),
-                "min_p": num("min_p", 0.0),
-                "min_new_tokens": num("min_new_tokens", 0, int),
-                "stop": [x for x in stop if x],
-                "stop_token_ids": [int(t) for t in (sp.get("stop_token_ids") or [])],
-                "ignore_eos": bool(sp.get("ignore_eos", False)),
-                "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
-                "no_stop_trim": bool(sp.get("no_stop_trim", False)),
-                "n": num("n", 1, int),
-                "sampling_seed": num("sampling_seed", None, int),
-                "frequency_penalty": num("frequency_penalty", 0.0),
-                "presence_penalty": num("presence_penalty", 0.0),
-                "repetition_penalty": num("repetition_penalty", 1.0),
-                "stream_interval": num("stream_interval", 1, int),
-            }
-        except (TypeError, ValueError) as e:
-            raise BadRequest(f"bad sampling_params: {e}")
+            raise BadRequest(f"{fld('stop')} must be a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stop):
+            raise BadRequest(f"{fld('stop')}: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                             f"characters each")
+        stop_ids = sp.get("stop_token_ids") or []
+        V = self.runner.vocab_size
+        if not isinstance(stop_ids, list) or not all(type(t) is int and 0 <= t < V for t in stop_ids):
+            raise BadRequest(f"{fld('stop_token_ids')} must be token ids (integers in [0, {V}))")
+        stop_ids = sorted(set(stop_ids))
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest(f"{fld('stop_token_ids')}: at most {MAX_STOP_TOKEN_IDS} ids")
+        flag("spaces_between_special_tokens", True)  # accepted (type-checked); our detokenizer has one mode
+        out = {
+            "max_new_tokens": mnt,
+            "temperature": num("temperature", 1.0),
+            "top_p": num("top_p", 1.0),
+            "top_k": integer("top_k", -1),
+            "min_p": num("min_p", 0.0),
+            "min_new_tokens": integer("min_new_tokens", 0),
+            "stop": [x for x in stop if x],
+            "stop_token_ids": stop_ids,
+            "ignore_eos": flag("ignore_eos", False),
+            "skip_special_tokens": flag("skip_special_tokens", True),
+            "no_stop_trim": flag("no_stop_trim", False),
+            "n": integer("n", 1),
+            "sampling_seed": integer("sampling_seed", None),
+            "frequency_penalty": num("frequency_penalty", 0.0),
+            "presence_penalty": num("presence_penalty", 0.0),
+            "repetition_penalty": num("repetition_penalty", 1.0),
+            "stream_interval": integer("stream_interval", 1),
+        }
         if out["max_new_tokens"] < 0:
-            raise BadRequest("max_new_tokens must be ≥ 0")
+            raise BadRequest(f"{fld('max_new_tokens')} must be ≥ 0")
         if prompt_len + out["max_new_tokens"] > ctx:
             raise BadRequest(f"Requested token count exceeds the model's maximum context length of {ctx} tokens: "
                              f"{prompt_len} input tokens + {out['max_new_tokens']} max_new_tokens.")
+        if out["max_new_tokens"] > a.max_new_tokens_limit:
+            raise BadRequest(f"{fld('max_new_tokens')}={out['max_new_tokens']} is over the server's limit of "
+                             f"{a.max_new_tokens_limit} (--max-new-tokens-limit)")
         if out["temperature"] < 0:
-            raise BadRequest("temperature must be ≥ 0")
+            raise BadRequest(f"{fld('temperature')} must be ≥ 0")
         if not 0.0 < out["top_p"] <= 1.0:
-            raise BadRequest("top_p must be in (0, 1]")
+            raise BadRequest(f"{fld('top_p')} must be in (0, 1]")
         if out["top_k"] == 0 or out["top_k"] < -1:
-            raise BadRequest("top_k must be -1 (disabled) or ≥ 1")
+            raise BadRequest(f"{fld('top_k')} must be -1 (disabled) or ≥ 1")
+        out["top_k"] = min(out["top_k"], V)  # ≥ the vocabulary = no top-k (and fits the int64 row state)
         if not 0.0 <= out["min_p"] <= 1.0:
-            raise BadRequest("min_p must be in [0, 1]")
-        if out["n"] < 1:
-            raise BadRequest("n must be ≥ 1")
-        if not 0 <= out["min_new_tokens"]:
-            raise BadRequest("min_new_tokens must be ≥ 0")
+            raise BadRequest(f"{fld('min_p')} must be in [0, 1]")
+        if not 1 <= out["n"] <= a.max_n:
+            raise BadRequest(f"{fld('n')}={out['n']}: must be in [1, {a.max_n}] (the server's limit of samples "
+                             f"per request, --max-n)")
+        if not 0 <= out["min_new_tokens"] <= max(out["max_new_tokens"], 0):
+            raise BadRequest(f"{fld('min_new_tokens')} must be in [0, {fld('max_new_tokens')}]")
         for k in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= out[k] <= 2.0:
-                raise BadRequest(f"{k} must be in [-2, 2]")
+                raise BadRequest(f"{fld(k)} must be in [-2, 2]")
         if not 0.0 < out["repetition_penalty"] <= 2.0:
-            raise BadRequest("repetition_penalty must be in (0, 2]")
+            raise BadRequest(f"{fld('repetition_penalty')} must be in (0, 2]")
         if out["stream_interval"] < 1:
-            raise BadRequest("stream_interval must be ≥ 1")
-        V = self.runner.vocab_size
-        if not all(0 <= t < V for t in out["stop_token_ids"]):
-            raise BadRequest(f"stop_token_ids must be token ids in [0, {V})")
+            raise BadRequest(f"{fld('stream_interval')} must be ≥ 1")
         return out
 
     def make_jobs(self, prompts: list[list[int]], params: list[dict], rids_per_prompt: list[str],
                   top_logprobs_num: int = 0) -> list[Job]:
         """One Job per sample (n per prompt); rids `rid` or `rid_j` for n>1 (SGLang's naming). Raises
-        BadRequest on a duplicate rid (in flight or within the request)."""
+        BadRequest on a duplicate rid (in flight or within the request) or a request over the limits,
+        TooManyQueued while the queue budget is spent. The jobs' tokens are reserved in the budget:
+        the caller must `release(jobs)` when the request ends."""
+        a = self.args
+        samples = sum(sp["n"] for sp in params)
+        if samples > a.max_n:
+            raise BadRequest(f"the request asks for {samples} samples (n × prompts); the server's limit is "
+                             f"{a.max_n} per request (--max-n)")
+        cost = sum((len(p) + sp["max_new_tokens"]) * sp["n"] for p, sp in zip(prompts, params))
+        if cost > a.max_queued_tokens:
+            raise BadRequest(f"the request needs {cost} tokens (prompt + max_new_tokens per sample), more than "
+                             f"the server holds for all requests together (--max-queued-tokens {a.max_queued_tokens})")
+        if self.queued_tokens + cost > a.max_queued_tokens:
+            raise TooManyQueued(f"server busy: {self.queued_tokens} tokens already queued, this request needs "
+                                f"{cost} more, the limit is {a.max_queued_tokens} (--max-queued-tokens); retry later")
         jobs: list[Job] = []
         for pi, (prompt, sp, prid) in enumerate(zip(prompts, params, rids_per_prompt)):
             eos = set() if sp["ignore_eos"] else set(self.runner.eos_token_ids)
@@ -311,60 +512,79 @@ class GenerationServer:
                           stop_ids=stop, seed=seed, frequency_penalty=sp["frequency_penalty"],
                           presence_penalty=sp["presence_penalty"], repetition_penalty=sp["repetition_penalty"],
                           top_logprobs_num=top_logprobs_num, stop_strs=tuple(sp["stop"]))
-                jobs.append(Job(seq=seq, sp=sp, prompt_index=pi, index=len(jobs)))
+                jobs.append(Job(seq=seq, sp=sp, prompt_index=pi, index=len(jobs),
+                                cost=len(prompt) + sp["max_new_tokens"]))
         rids = [j.seq.rid for j in jobs]
-        dup = [r for r in rids if self.scheduler.has_rid(r)] or ([r for r in rids if rids.count(r) > 1][:1])
-        if dup:
-            raise BadRequest(f"Duplicate request ID: {dup[0]}")
+        seen: set[str] = set()
+        for r in rids:
+            if r in seen or self.scheduler.has_rid(r):
+                raise BadRequest(f"Duplicate request ID: {r}")
+            seen.add(r)
+        self.queued_tokens += cost
         return jobs
 
-    def _parse_generate(self, body: dict[str, Any]) -> tuple[list[Job], bool, GenOpts, list[list[int]]]:
-        prompts, batch = self._prompts(body)
-        sps = body.get("sampling_params")
-        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
-        if len(sps) != len(prompts):
-            raise BadRequest("'sampling_params' list must match the number of prompts")
-        params = [self._sampling(sp, len(p)) for sp, p in zip(sps, prompts)]
-        rid = body.get("rid")
-        if isinstance(rid, list):
-            if len(rid) != len(prompts):
-                raise BadRequest("'rid' list must match the number of prompts")
-            rids_per_prompt = [str(r) for r in rid]
-        elif rid is None:
-            rids_per_prompt = [uuid.uuid4().hex for _ in prompts]
-        else:
-            rids_per_prompt = [str(rid)] if not batch else [f"{rid}_{i}" for i in range(len(prompts))]
-        try:
-            lp_start = body.get("logprob_start_len")
-            top_n = body.get("top_logprobs_num")
-            opts = GenOpts(return_logprob=bool(body.get("return_logprob", False)),
-                           logprob_start_len=-1 if lp_start is None else int(lp_start),
-                           top_logprobs_num=0 if top_n is None else int(top_n),
-                           text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-                           stream=bool(body.get("stream", False)))
-        except (TypeError, ValueError) as e:
-            raise BadRequest(f"bad logprob options: {e}")
+    def release(self, jobs: list[Job]) -> None:
+        """Give back the queue budget `make_jobs` reserved for `jobs` (the request ended)."""
+        self.queued_tokens -= sum(j.cost for j in jobs)
+
+    def _opt(self, body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+        v = body.get(key)
+        if v is None:
+            return default
+        if (kind is bool and not isinstance(v, bool)) or (kind is int and type(v) is not int):
+            what = "true or false" if kind is bool else "an integer"
+            raise BadRequest(f"'{key}' must be {what}, got {_short(v)} (per-prompt lists are not supported)"
+                             if isinstance(v, list) else f"'{key}' must be {what}, got {_short(v)}")
+        return v
+
+    async def _parse_generate(self, body: dict[str, Any]) -> tuple[list[Job], bool, GenOpts, list[list[int]]]:
+        self.check_fields(body, GENERATE_FIELDS, GENERATE_NOOP, GENERATE_META, "/generate")
+        opts = GenOpts(return_logprob=self._opt(body, "return_logprob", bool, False),
+                       logprob_start_len=self._opt(body, "logprob_start_len", int, -1),
+                       top_logprobs_num=self._opt(body, "top_logprobs_num", int, 0),
+                       text_in_logprobs=self._opt(body, "return_text_in_logprobs", bool, False),
+                       stream=self._opt(body, "stream", bool, False))
         if opts.top_logprobs_num < 0:
             raise BadRequest("top_logprobs_num must be ≥ 0")
         opts.top_logprobs_num = min(opts.top_logprobs_num, self.runner.vocab_size)
         if not opts.return_logprob:
             opts.top_logprobs_num = 0
+        rid = body.get("rid")
+        if not (rid is None or isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+            raise BadRequest("'rid' must be a string or a list of strings")
+        sps = body.get("sampling_params")
+        prompts, batch = await self._prompts(body)
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        if len(sps) != len(prompts):
+            raise BadRequest("'sampling_params' list must match the number of prompts")
+        params = [self._sampling(sp, len(p)) for sp, p in zip(sps, prompts)]
+        if isinstance(rid, list):
+            if len(rid) != len(prompts):
+                raise BadRequest("'rid' list must match the number of prompts")
+            rids_per_prompt = list(rid)
+        elif rid is None:
+            rids_per_prompt = [uuid.uuid4().hex for _ in prompts]
+        else:
+            rids_per_prompt = [rid] if not batch else [f"{rid}_{i}" for i in range(len(prompts))]
         jobs = self.make_jobs(prompts, params, rids_per_prompt, opts.top_logprobs_num)
         return jobs, batch or len(jobs) > 1, opts, prompts
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
-        jobs, as_list, opts, prompts = self._parse_generate(body)
-        if opts.return_logprob and opts.logprob_start_len >= 0:
-            for pi, prompt in enumerate(prompts):
-                opts.input_logprobs[pi] = await self.input_logprobs(prompt, opts.logprob_start_len,
-                                                                    opts.top_logprobs_num, opts.text_in_logprobs)
-        t0 = time.perf_counter()
-        if opts.stream:
-            return await self._stream_generate(request, jobs, as_list, opts, t0)
-        reqs = await asyncio.gather(*(self.run_request(self.scheduler.new_request(j.seq)) for j in jobs))
-        replies = [self._native_reply(j, r, opts, t0) for j, r in zip(jobs, reqs)]
-        return web.json_response(replies if as_list else replies[0])
+        jobs, as_list, opts, prompts = await self._parse_generate(body)
+        try:  # a client that disconnects cancels this handler: its requests abort (submit_request)
+            if opts.return_logprob and opts.logprob_start_len >= 0:
+                for pi, prompt in enumerate(prompts):
+                    opts.input_logprobs[pi] = await self.input_logprobs(prompt, opts.logprob_start_len,
+                                                                        opts.top_logprobs_num, opts.text_in_logprobs)
+            t0 = time.perf_counter()
+            if opts.stream:
+                return await self._stream_generate(request, jobs, as_list, opts, t0)
+            reqs = await asyncio.gather(*(self.run_request(self.scheduler.new_request(j.seq)) for j in jobs))
+            replies = [self._native_reply(j, r, opts, t0) for j, r in zip(jobs, reqs)]
+            return web.json_response(replies if as_list else replies[0])
+        finally:
+            self.release(jobs)
 
     async def _stream_generate(self, request: web.Request, jobs: list[Job], as_list: bool, opts: GenOpts,
                                t0: float) -> web.StreamResponse:
@@ -519,14 +739,27 @@ class GenerationServer:
 
     # ---------------------------------------------------------------- status
     async def health(self, request: web.Request) -> web.Response:
+        """200 once the engine shows progress: the check's own token (it goes to the front of the
+        queue), or any engine step completing meanwhile (SGLang's rule: a full batch is alive)."""
         if self.scheduler.paused:  # deliberately paused for a weight update: alive, not generating
             return web.Response(text="paused")
         eos = self.runner.eos_token_ids[0] if self.runner.eos_token_ids else 0
         seq = Seq(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[eos], max_new_tokens=1, seed=0)
+        req = self.scheduler.new_request(seq)
+        gen = asyncio.ensure_future(self.scheduler.submit_request(req, front=True))
+        step = asyncio.ensure_future(self.scheduler.next_step())
         try:
-            await asyncio.wait_for(self.scheduler.submit(seq), timeout=self.args.health_timeout_s)
-        except asyncio.TimeoutError:
-            return error(f"health check: no token within {self.args.health_timeout_s}s", 503)
+            done, _ = await asyncio.wait({gen, step}, timeout=self.args.health_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (gen, step):
+                t.cancel()  # an unfinished check request is aborted (submit_request)
+            await asyncio.gather(gen, step, return_exceptions=True)
+        if not done:
+            return error(f"health check: no engine progress within {self.args.health_timeout_s}s", 503)
+        fr = req.finish_reason or {}
+        if step not in done and fr.get("status_code") not in (None, 200):  # the engine failed the step
+            return error(f"health check: {fr.get('message')}", 503)
         return web.Response(text="")
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -685,8 +918,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--random-seed", type=int, default=None, help="seeds requests without sampling_seed")
     p.add_argument("--served-model-name", default=None, help="model id on /v1/* (default: the model dir's name)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--api-key", default=None, help="bearer key of /generate and /v1/* (default: $AREAL_LIKE_API_KEY)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="bearer key of weight updates, pause/continue, flush (default: $AREAL_LIKE_ADMIN_API_KEY)")
+    p.add_argument("--max-n", type=int, default=128, help="most samples (n × prompts) one request may ask for")
+    p.add_argument("--max-new-tokens-limit", type=int, default=None,
+                   help="most max_new_tokens one request may ask for (default: the context length)")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="most prompt tokens per request (default: --max-context-len − 1)")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
+    p.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="prompt + max_new_tokens of all admitted samples together (429 above; "
+                        "default: 16 × --max-batch-size × --max-context-len)")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     p.add_argument("--health-timeout-s", type=float, default=20.0)
     p.add_argument("--weight-sync-timeout-s", type=float, default=300.0, help="collective timeout of weight groups")
@@ -695,6 +938,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_batch_size < 1 or args.max_context_len < 2:
         p.error("--max-batch-size must be ≥ 1 and --max-context-len ≥ 2")
+    # Keys from the environment keep them out of argv (which every local user can read in /proc).
+    args.api_key = args.api_key or os.environ.get("AREAL_LIKE_API_KEY") or None
+    args.admin_api_key = args.admin_api_key or os.environ.get("AREAL_LIKE_ADMIN_API_KEY") or None
+    ctx = args.max_context_len
+    args.max_prompt_len = ctx - 1 if args.max_prompt_len is None else min(args.max_prompt_len, ctx - 1)
+    args.max_new_tokens_limit = ctx if args.max_new_tokens_limit is None else args.max_new_tokens_limit
+    if args.max_queued_tokens is None:
+        args.max_queued_tokens = 16 * args.max_batch_size * ctx
+    for name in ("max_n", "max_new_tokens_limit", "max_prompt_len", "max_request_bytes", "max_queued_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 1")
     return args
 
 
@@ -702,7 +956,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     server = GenerationServer(args)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

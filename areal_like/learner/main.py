@@ -195,6 +195,7 @@ class Coordinator:
         """The step's metrics row and Prometheus. A step whose weights are being validated has its row
         held until `collect_eval` adds the results (before the next push, or at the end)."""
         staleness = [version - 1 - g.min_version for g in batch.groups if g.min_version >= 0]
+        buffer_stats = self.buffer.refresh_metrics()  # also sets the buffer gauges
         row = StepMetrics(
             step=step, version=version, reward_mean=stats["reward_mean"], staleness_max=max(staleness, default=0),
             dropped_stale=batch.dropped_stale, filtered=batch.filtered, samples=stats["num_samples"],
@@ -204,7 +205,7 @@ class Coordinator:
             behav_tokens_capped=stats["behav_tokens_capped"], kl_ref=stats["kl_ref"], entropy=stats["entropy"],
             value_loss=stats["value_loss"], adv_abs_mean=stats["adv_abs_mean"],
             optimizer_steps=stats["optimizer_steps"], loss_tokens=stats["loss_tokens"], skipped=stats["skipped"],
-            incarnation=self.incarnation, val=self.carry_val)
+            incarnation=self.incarnation, reward_failures=buffer_stats.get("reward_failures", {}), val=self.carry_val)
         self.carry_val = {}
         if self.eval_pending == version:
             self.held_row = row
@@ -223,7 +224,6 @@ class Coordinator:
         for s in staleness:
             M.STALENESS.observe(s)
         M.TRAINED_TOKENS.inc(stats["loss_tokens"])
-        self.buffer.refresh_metrics()
 
     async def close(self, stopped: bool, step: int, version: int, *, saved: bool) -> None:
         if stopped:

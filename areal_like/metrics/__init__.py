@@ -33,6 +33,8 @@ ROLLOUT_REWARD = Histogram("areal_like_rollout_reward", "Reward of each trajecto
 ROLLOUT_INFLIGHT = Gauge("areal_like_rollout_inflight_groups", "Groups this worker is generating", registry=REGISTRY)
 GATE_REJECTIONS = Counter("areal_like_gate_rejections", "Staleness-gate refusals (worker waited)", registry=REGISTRY)
 REWARD_TIMEOUTS = Counter("areal_like_reward_timeouts", "Reward calls that timed out", registry=REGISTRY)
+REWARD_FAILURES = Counter("areal_like_reward_failures", "Reward calls that failed and scored 0, by kind: exception, "
+                          "timeout, non_finite (NaN/inf), not_a_number (e.g. a string)", ["kind"], registry=REGISTRY)
 
 # --- buffer ------------------------------------------------------------------------------------
 BUFFER_DEPTH = Gauge("areal_like_buffer_depth", "Groups in the replay buffer not yet consumed", registry=REGISTRY)

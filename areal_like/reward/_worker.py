@@ -2,7 +2,10 @@
 
 Frames both ways: 4-byte little-endian length + msgpack (no pickle crosses the process boundary).
 Request  [data_source, solution_str, ground_truth, extra_info]
-Reply    {"ok": true, "score": float} | {"ok": false, "error": "<type: message + last frames>"}
+Reply    {"ok": true, "score": float}
+       | {"ok": false, "kind": "exception" | "non_finite" | "not_a_number", "error": "<message or traceback>"}
+         (exception: the user's function raised — "error" is its traceback, this file's frame left out;
+          the other kinds: what it returned could not be used as a score — see custom.to_score)
 First frame sent is a hello: {"ok": true, "ready": true} or {"ok": false, "error": ...} if loading failed.
 
 This file imports nothing of areal_like at module level so it starts fast and from any directory.
@@ -50,11 +53,23 @@ def main() -> None:
             return  # parent closed stdin: exit quietly
         req = dec.decode(inp.read(int.from_bytes(head, "little")))
         try:
-            score = to_score(fn(req[0], req[1], req[2], req[3]))
-            send({"ok": True, "score": score})
+            value = fn(req[0], req[1], req[2], req[3])
         except Exception as e:
-            tb = "".join(traceback.format_exception(e, limit=-3)).strip().splitlines()
-            send({"ok": False, "error": " | ".join(tb[-6:])})
+            send({"ok": False, "kind": "exception", "error": _traceback(e)})
+            continue
+        try:
+            score = to_score(value)
+        except Exception as e:  # custom.ScoreError: .kind names it
+            send({"ok": False, "kind": getattr(e, "kind", "not_a_number"), "error": f"{type(e).__name__}: {e}"})
+            continue
+        send({"ok": True, "score": score})
+
+
+def _traceback(e: BaseException, max_chars: int = 6000) -> str:
+    """The user's traceback, without this file's frame (the call into the user's function)."""
+    tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+    text = "".join(traceback.format_exception(type(e), e, tb)).rstrip()
+    return text if len(text) <= max_chars else "…" + text[-max_chars:]
 
 
 if __name__ == "__main__":

@@ -37,13 +37,45 @@ def load_custom_reward(path: str, name: str = "compute_score") -> Callable[..., 
     return fn
 
 
+class ScoreError(ValueError):
+    """A user function's result that is not a usable score; `kind` names the failure kind."""
+
+    kind = "not_a_number"
+
+
+class NotANumber(ScoreError):
+    """The result is not a number (a string, None, a list, a dict without "score", …)."""
+
+    kind = "not_a_number"
+
+
+class NonFiniteScore(ScoreError):
+    """The result is NaN or ±inf."""
+
+    kind = "non_finite"
+
+
 def to_score(value: Any) -> float:
-    """A user function's result → float: float/int/bool, or a dict with "score". NaN/inf → error."""
+    """A user function's result → float: float/int/bool (numpy/torch scalars too), or a dict with
+    "score". A string (even "1.0"), None or anything float() refuses raises NotANumber; NaN/±inf
+    raises NonFiniteScore (verl would fail on both when it writes the reward tensor)."""
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"reward function returned a dict without 'score': keys {sorted(value)}")
+            raise NotANumber(f"reward function returned a dict without 'score': keys {sorted(map(str, value))}")
         value = value["score"]
-    score = float(value)
+    if isinstance(value, (str, bytes, bytearray)) or value is None:
+        raise NotANumber(f"reward function returned {type(value).__name__} {_short(value)}, not a number: "
+                         "return a float (or a dict with a float 'score')")
+    try:
+        score = float(value)
+    except (TypeError, ValueError) as e:
+        raise NotANumber(f"reward function returned {type(value).__name__} {_short(value)}, not a number "
+                         f"({type(e).__name__}: {e})") from None
     if not math.isfinite(score):
-        raise ValueError(f"reward function returned a non-finite score {score}")
+        raise NonFiniteScore(f"reward function returned a non-finite score {score}")
     return score
+
+
+def _short(value: Any, n: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= n else r[: n - 1] + "…"

@@ -1,16 +1,27 @@
-"""`RewardFn`: score completions without ever stalling rollout.
+"""`RewardFn`: score completions without ever stalling rollout, and count every failure.
 
 Two paths, decided by where the function comes from:
 - Built-ins (no `custom_reward_function.path`): pure functions on clipped strings, called inline in
   the rollout worker's event loop (microseconds; a process hop would cost ~100× more than the score).
-- A user's function: runs in a small pool of worker *processes* (`_worker.py`, started with
-  `asyncio.create_subprocess_exec`, msgpack frames over stdin/stdout — no pickle). A call that
-  exceeds `timeout_s` scores 0.0, counts in REWARD_TIMEOUTS, and its worker is killed (by its own
-  PID) and replaced: a hung Python function cannot be interrupted inside a thread, only a process
-  can be ended. An exception in the user's function scores 0.0 and is logged with its traceback tail.
+- A user's function: runs in a pool of `num_workers` worker *processes* (`_worker.py`, started with
+  `asyncio.create_subprocess_exec`, msgpack frames over stdin/stdout — no pickle); calls run
+  concurrently up to the pool size. A call that exceeds `timeout_s` scores 0.0 and its worker is
+  killed (by its own PID) and replaced: a hung Python function cannot be interrupted inside a
+  thread, only a process can be ended. A call that waits longer than `timeout_s` for a free worker
+  (every worker busy, e.g. all hung) also scores 0.0 as a timeout, so a group's rewards are done
+  within ~2 × timeout_s whatever the function does — a hung reward never stalls a step.
 
-The timeout covers the call itself, not the wait for a free worker. `close()` kills and reaps every
-worker this object started; nothing else is touched.
+Every failure scores 0.0 and is counted by kind (`FAILURE_KINDS`): `exception` (the function raised,
+its worker died or could not start), `timeout`, `non_finite` (NaN/±inf), `not_a_number` (a string,
+None, a dict without "score", …). Counts go to `failures`, Prometheus (`areal_like_reward_failures`
+{kind}) and the `on_failure(kind, text, first)` hook (the rollout worker forwards them to the run's
+Redis counters; `first` marks this process's first failure of that kind, whose text carries the
+traceback). The first failure of each kind is logged with its traceback, later ones at most every
+`_LOG_EVERY_S` per kind. Over the last `failure_window` scored samples, more than
+`max_failure_fraction` failed → `on_limit(message)` is called once (the rollout worker stops the run
+with the message, which names the function as path:name).
+
+`close()` kills and reaps every worker this object started; nothing else is touched.
 """
 
 from __future__ import annotations
@@ -19,21 +30,28 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+import time
+from collections import deque
+from typing import Any, Callable
 
 import msgspec
 
-from areal_like.api.config import RewardFunctionConfig
-from areal_like.metrics import REWARD_TIMEOUTS
+from areal_like.api.config import RewardFunctionConfig, RewardShapingConfig
+from areal_like.buffer.scripts import REWARD_FAILURE_KINDS
+from areal_like.metrics import REWARD_FAILURES, REWARD_TIMEOUTS
 from areal_like.reward.builtin import default_compute_score
-from areal_like.reward.custom import load_custom_reward
+from areal_like.reward.custom import load_custom_reward, to_score
 
 logger = logging.getLogger(__name__)
+
+FAILURE_KINDS = REWARD_FAILURE_KINDS
+"""exception, timeout, non_finite, not_a_number (the Redis counter fields use the same names)."""
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ENC = msgspec.msgpack.Encoder(enc_hook=str)  # extra_info may hold odd types; they arrive as str
 _DEC = msgspec.msgpack.Decoder()
+_LOG_EVERY_S = 10.0
 
 
 class _Worker:
@@ -55,7 +73,10 @@ class _Worker:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             await w.kill()
             raise RuntimeError(f"reward worker for {path}:{name} did not start within {start_timeout_s}s "
-                               f"({type(e).__name__})") from None
+                               f"({type(e).__name__}, exit code {proc.returncode})") from None
+        except BaseException:  # cancelled while starting: never leave the process behind
+            await asyncio.shield(w.kill())
+            raise
         if not hello.get("ok"):
             await w.kill()
             raise RuntimeError(f"custom_reward_function {path}:{name} failed to load in the worker: {hello.get('error')}")
@@ -83,61 +104,112 @@ class _Worker:
 
 
 class RewardFn:
-    """`await reward_fn.score(data_source, solution_str, ground_truth, extra_info) -> float`."""
+    """`await reward_fn.score(data_source, solution_str, ground_truth, extra_info) -> float` (never raises
+    for a failure of the function: it scores 0.0 and is counted)."""
 
     def __init__(self, path: "str | RewardFunctionConfig | None" = None, name: str = "compute_score", *,
-                 timeout_s: float = 10.0, num_workers: int = 2, start_timeout_s: float = 60.0):
+                 timeout_s: float = 10.0, num_workers: int = 4, start_timeout_s: float = 60.0,
+                 max_failure_fraction: float = 1.0, failure_window: int = 256,
+                 on_failure: Callable[[str, str, bool], None] | None = None,
+                 on_limit: Callable[[str], None] | None = None):
         if path is not None and not isinstance(path, str):  # a RewardFunctionConfig
-            path, name, timeout_s = path.path, path.name, path.timeout_s
+            path, name, timeout_s, num_workers = path.path, path.name, path.timeout_s, path.num_workers
+        if num_workers < 1:
+            raise ValueError(f"custom_reward_function.num_workers={num_workers} must be ≥ 1")
+        if timeout_s <= 0:
+            raise ValueError(f"custom_reward_function.timeout_s={timeout_s} must be > 0")
+        if not 0.0 <= max_failure_fraction <= 1.0:
+            raise ValueError(f"reward.max_failure_fraction={max_failure_fraction} must be in [0, 1] (1 = never stop)")
+        if failure_window < 1:
+            raise ValueError(f"reward.failure_window={failure_window} must be ≥ 1")
         self.path, self.name = path, name
         self.timeout_s = timeout_s
-        self.num_workers = max(1, num_workers)
+        self.num_workers = num_workers
         self.start_timeout_s = start_timeout_s
-        self.num_timeouts = 0
-        self.num_errors = 0
+        self.max_failure_fraction = max_failure_fraction
+        self.failure_window = failure_window
+        self.on_failure = on_failure
+        """Called as on_failure(kind, text, first) for every failure (see the module doc)."""
+        self.on_limit = on_limit
+        """Called once with the message when the failure fraction is exceeded."""
+        self.failures: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
+        self.scored = 0
+        self.limit_message: str | None = None
+        self._window: deque[bool] = deque(maxlen=failure_window)
+        self._window_failed = 0
+        self._first: dict[str, str] = {}
+        self._first_line: str | None = None  # the run's first failure, one line (for the limit message)
+        self._last_log: dict[str, float] = {}
+        self._unlogged: dict[str, int] = dict.fromkeys(FAILURE_KINDS, 0)
         self._idle: asyncio.Queue[_Worker] | None = None
         self._slots: asyncio.Semaphore | None = None
         self._workers: set[_Worker] = set()
         self._closed = False
+        for kind in FAILURE_KINDS:  # exported at 0 from the start
+            REWARD_FAILURES.labels(kind=kind)
         if path is not None:
             # Fail at construction, naming the path and the name, not at the first rollout. This imports
             # the user's file in this process once (as verl does); calls run in the workers.
             load_custom_reward(path, name)
 
     @classmethod
-    def from_config(cls, cfg, *, num_workers: int = 2) -> "RewardFn":
-        """From `RewardFunctionConfig` (custom_reward_function.path/name/timeout_s)."""
-        return cls(cfg, num_workers=num_workers)
+    def from_config(cls, cfg: RewardFunctionConfig, shaping: RewardShapingConfig | None = None,
+                    **kw: Any) -> "RewardFn":
+        """From `custom_reward_function.*` (path, name, timeout_s, num_workers) and `reward.*`
+        (max_failure_fraction, failure_window)."""
+        if shaping is not None:
+            kw.setdefault("max_failure_fraction", shaping.max_failure_fraction)
+            kw.setdefault("failure_window", shaping.failure_window)
+        return cls(cfg, **kw)
 
     @property
     def isolated(self) -> bool:
         """True when calls run in worker processes (a custom function), False for inline built-ins."""
         return self.path is not None
 
+    @property
+    def label(self) -> str:
+        """The function as users name it: `path:name`, or the built-in scorer."""
+        return f"{self.path}:{self.name}" if self.path is not None else "built-in default_compute_score"
+
+    # ---- scoring --------------------------------------------------------------------------------
     async def score(self, data_source: str, solution_str: str, ground_truth: str,
                     extra_info: dict[str, Any] | None = None) -> float:
         if self._closed:
             raise RuntimeError("RewardFn.score after close()")
         if self.path is None:
             try:
-                return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+                value = default_compute_score(data_source, solution_str, ground_truth, extra_info)
             except Exception as e:  # a built-in must not kill a rollout either
-                self.num_errors += 1
-                logger.warning("built-in reward for %r raised %s: %s; scoring 0.0", data_source, type(e).__name__, e)
-                return 0.0
+                import traceback
+
+                return self._failed("exception", data_source, "".join(traceback.format_exception(e)).rstrip())
+            try:
+                return self._ok(to_score(value))
+            except Exception as e:  # custom.ScoreError
+                return self._failed(getattr(e, "kind", "not_a_number"), data_source, f"{type(e).__name__}: {e}")
         return await self._score_isolated([data_source, solution_str, ground_truth, extra_info or {}])
 
-    async def _acquire(self) -> _Worker:
+    async def _acquire(self) -> "_Worker | tuple[str, str]":
+        """A worker, or the text of the failure (a timeout waiting for one, or a worker that cannot start)."""
         if self._idle is None:
             self._idle, self._slots = asyncio.Queue(), asyncio.Semaphore(self.num_workers)
         assert self._slots is not None
-        await self._slots.acquire()
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.timeout_s)
+        except asyncio.TimeoutError:
+            return ("timeout", f"waited {self.timeout_s:g}s (custom_reward_function.timeout_s) for a free reward "
+                    f"worker: all {self.num_workers} are busy (raise custom_reward_function.num_workers if the "
+                    f"function is merely slow)")
         try:
             if not self._idle.empty():
                 return self._idle.get_nowait()
             w = await _Worker.start(self.path, self.name, self.start_timeout_s)  # type: ignore[arg-type]
             self._workers.add(w)
             return w
+        except RuntimeError as e:  # the worker did not start: a failure of this call, not of the rollout
+            self._slots.release()
+            return ("exception", str(e))
         except BaseException:
             self._slots.release()
             raise
@@ -153,25 +225,24 @@ class RewardFn:
         await w.kill()
 
     async def _score_isolated(self, args: list[Any]) -> float:
-        w = await self._acquire()
+        got = await self._acquire()
+        if isinstance(got, tuple):
+            return self._failed(got[0], args[0], got[1])
+        w = got
         try:
             reply = await asyncio.wait_for(w.call(args), self.timeout_s)
         except asyncio.TimeoutError:
-            self.num_timeouts += 1
-            REWARD_TIMEOUTS.inc()
-            logger.warning("reward %s:%s took longer than %.1fs (custom_reward_function.timeout_s) on data_source "
-                           "%r: scoring 0.0 and replacing worker pid %s", self.path, self.name, self.timeout_s,
-                           args[0], w.proc.pid)
+            pid = w.proc.pid
             await self._discard(w)
-            self._release(None)  # a fresh worker starts lazily on the next call
-            return 0.0
+            self._release(None)  # a fresh worker starts on the next call
+            return self._failed("timeout", args[0], f"took longer than {self.timeout_s:g}s "
+                                f"(custom_reward_function.timeout_s); worker pid {pid} killed and replaced")
         except (asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError) as e:
-            self.num_errors += 1
-            logger.warning("reward worker pid %s died (%s, exit %s): scoring 0.0 and replacing it",
-                           w.proc.pid, type(e).__name__, w.proc.returncode)
+            pid = w.proc.pid
             await self._discard(w)
             self._release(None)
-            return 0.0
+            return self._failed("exception", args[0], f"reward worker pid {pid} died while scoring "
+                                f"({type(e).__name__}, exit code {w.proc.returncode}); replaced")
         except BaseException:
             # Cancelled mid-call: the worker may still be computing, so its reply would be read by the
             # next caller — end it rather than reuse it.
@@ -180,11 +251,81 @@ class RewardFn:
             raise
         self._release(w)
         if not reply.get("ok"):
-            self.num_errors += 1
-            logger.warning("reward %s:%s raised on data_source %r: %s; scoring 0.0",
-                           self.path, self.name, args[0], reply.get("error"))
-            return 0.0
-        return float(reply["score"])
+            kind = reply.get("kind", "exception")
+            return self._failed(kind if kind in self.failures else "exception", args[0], str(reply.get("error")))
+        return self._ok(float(reply["score"]))
+
+    # ---- accounting -----------------------------------------------------------------------------
+    def _ok(self, score: float) -> float:
+        self._record(False)
+        return score
+
+    def _failed(self, kind: str, data_source: str, detail: str) -> float:
+        self.failures[kind] += 1
+        REWARD_FAILURES.labels(kind=kind).inc()
+        if kind == "timeout":
+            REWARD_TIMEOUTS.inc()
+        first = kind not in self._first
+        what = {"exception": "raised", "timeout": "timed out", "non_finite": "returned a non-finite score",
+                "not_a_number": "returned something that is not a number"}[kind]
+        text = f"reward {self.label} {what} on data_source {data_source!r}: {detail}"
+        now = time.monotonic()
+        if first:
+            self._first[kind] = text
+            if self._first_line is None:
+                last = detail.strip().splitlines()[-1] if detail.strip() else ""
+                self._first_line = f"{what} on data_source {data_source!r}: {last[:300]}"
+            self._last_log[kind] = now
+            logger.error("first reward failure of kind %s (scored 0.0; counted in reward_failures/%s):\n%s",
+                         kind, kind, text)
+        else:
+            self._unlogged[kind] += 1
+            if now - self._last_log[kind] >= _LOG_EVERY_S:
+                logger.warning("%d more reward failure(s) of kind %s (total %d), e.g. %s", self._unlogged[kind],
+                               kind, self.failures[kind], text.splitlines()[-1][:300])
+                self._unlogged[kind] = 0
+                self._last_log[kind] = now
+        if self.on_failure is not None:
+            try:
+                self.on_failure(kind, text, first)
+            except Exception:
+                logger.exception("reward on_failure hook failed")
+        self._record(True)
+        return 0.0
+
+    def _record(self, failed: bool) -> None:
+        self.scored += 1
+        if len(self._window) == self._window.maxlen and self._window[0]:
+            self._window_failed -= 1
+        self._window.append(failed)
+        self._window_failed += failed
+        # More than max_failure_fraction × window failures among the last `window` samples: past the
+        # limit already, even before the window is full (the fraction cannot come back under it).
+        if failed and self.limit_message is None and self._window_failed > self.max_failure_fraction * self.failure_window:
+            n = len(self._window)
+            counts = ", ".join(f"{k} {v}" for k, v in self.failures.items() if v)
+            self.limit_message = (
+                f"reward function {self.label} failed on {self._window_failed} of the last {n} scored samples "
+                f"(reward.max_failure_fraction={self.max_failure_fraction:g} of reward.failure_window="
+                f"{self.failure_window}; failures so far: {counts}); first failure: {self._first_line}. "
+                f"Fix the function (or raise reward.max_failure_fraction; 1 = never stop)")
+            if self.on_limit is not None:
+                self.on_limit(self.limit_message)
+            else:
+                logger.error("%s", self.limit_message)
+
+    @property
+    def num_timeouts(self) -> int:
+        return self.failures["timeout"]
+
+    @property
+    def num_errors(self) -> int:
+        """Failures other than timeouts."""
+        return sum(v for k, v in self.failures.items() if k != "timeout")
+
+    def first_failures(self) -> dict[str, str]:
+        """{kind: text of this object's first failure of that kind} (with the traceback)."""
+        return dict(self._first)
 
     async def close(self) -> None:
         """Kill and reap every worker process this RewardFn started."""

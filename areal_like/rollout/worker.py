@@ -12,6 +12,11 @@ that worker 0, when `data.val_files` is set, also runs the evaluator (rollout/ev
 concurrent task answering the learner's validation requests (buffer/eval_channel.py); it takes no
 gate slot and writes nothing to the stream.
 On SIGTERM it stops starting groups, cancels what is in flight and frees those slots.
+
+Reward failures (reward/fn.py) score 0 and are counted by kind in the run's Redis counters
+(reward/report.py). When more than `reward.max_failure_fraction` of the last `reward.failure_window`
+scored samples failed, the worker stops as on SIGTERM and exits with EXIT_REWARD_FAILURES, its last
+log line naming the reward function and the counts (the launcher shows it as the reason the run stopped).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import sys
 from areal_like import metrics as M
 from areal_like.api.config import decode_config
 from areal_like.api.run_files import Endpoints
+
+EXIT_REWARD_FAILURES = 3
+"""Exit code of a worker that stopped because too many reward calls failed (restarting it would not help)."""
 
 
 def _log(k: int, msg: str) -> None:
@@ -65,8 +73,21 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     # One Redis endpoint for both: a Redis restart is noticed once and recovered in one fixed order.
     gate = StalenessGate.from_config(cfg.buffer, url=redis_url, batch_size=cfg.train.batch_size,
                                      max_staleness=cfg.rollout.max_staleness, endpoint=buffer.endpoint)
-    reward_fn = RewardFn(cfg.custom_reward_function)
+    reward_fn = RewardFn.from_config(cfg.custom_reward_function, cfg.reward)
     stop = asyncio.Event()
+    from areal_like.reward.report import FailureReporter
+
+    reward_report = FailureReporter(buffer, producer=f"rollout{index}", log=lambda msg: _log(index, msg))
+    reward_fn.on_failure = reward_report.record
+    reward_stop: list[str] = []  # the failure-fraction message, once
+
+    def _reward_limit(msg: str) -> None:
+        reward_stop.append(msg)
+        _log(index, "stopping: more than reward.max_failure_fraction of the recent reward calls failed")
+        stop.set()
+
+    reward_fn.on_limit = _reward_limit
+    report_task = asyncio.create_task(reward_report.run(stop), name="reward-failure-report")
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, stop.set)
@@ -74,7 +95,15 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     slots = asyncio.Semaphore(cfg.rollout.max_concurrent_groups)
     inflight: set[asyncio.Task] = set()
     retry: list = []  # prompts whose group failed: tried again before new ones
+    # A re-run of the same run dir continues this worker's group numbers and prompt order where the
+    # last run stopped (saved in Redis after every group started): no group id is reused, so none is
+    # generated only to be discarded as already trained.
     seq = 0
+    cursor = await buffer.rollout_cursor_async(index)
+    if cursor is not None:
+        seq = int(cursor["seq"])
+        prompts.load_state_dict(cursor["prompts"])
+        _log(index, f"resuming at group w{index}-{seq}, epoch {prompts.epoch} position {prompts.position}")
 
     async with GenerationClient(endpoints.servers, request_timeout_s=cfg.rollout.request_timeout_s,
                                 api_key=cfg.server.api_key) as client:
@@ -145,6 +174,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                 break
             record = retry.pop(0) if retry else next(prompts)
             seq += 1
+            await buffer.set_rollout_cursor_async(index, {"seq": seq, "prompts": prompts.state_dict()})
             M.ROLLOUT_INFLIGHT.inc()
             task = asyncio.create_task(one(record, group_id))
             inflight.add(task)
@@ -157,7 +187,13 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
             eval_task.cancel()
         await asyncio.gather(*inflight, *([eval_task] if eval_task is not None else []), return_exceptions=True)
     await reward_fn.close()
+    stop.set()
+    await asyncio.gather(report_task, return_exceptions=True)  # its last flush: every failure counted
     await buffer.aclose()  # closes the endpoint the gate shares
+    if reward_stop:
+        # The last line of this log: the launcher shows it as the reason the run stopped.
+        _log(index, f"exit {EXIT_REWARD_FAILURES}: {reward_stop[0]}")
+        return EXIT_REWARD_FAILURES
     return 1 if eval_failed else 0
 
 

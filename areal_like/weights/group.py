@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 
 import torch
 import torch.distributed as dist
@@ -65,19 +66,37 @@ def _bcast_opts(src: int):
     return opts
 
 
+def bound_listen_fd(host: str, port: int) -> int:
+    """A listening TCP socket bound to `host`:`port`, handed over as a file descriptor: the
+    TCPStore takes ownership (and closes it with the store)."""
+    family, stype, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, stype, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 def init_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int,
                       group_name: str = "weight_update_group", backend: str = "gloo",
                       timeout_s: float = 300.0) -> WeightGroup:
     """Create (join) the weight-sync group. Blocks until all `world_size` ranks have joined.
 
-    Rank 0 hosts the TCPStore at master_address:master_port. For gloo on loopback set
+    Rank 0 hosts the TCPStore at master_address:master_port, bound to that address alone (the
+    launcher uses 127.0.0.1, so the store is not reachable from other hosts). For gloo on loopback set
     GLOO_SOCKET_IFNAME=lo in the environment (gloo picks its interface from it).
     """
     master = f"{master_address}:{master_port}"
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        # Rank 0's store listens on master_address only (TCPStore alone would bind every interface).
+        fd = bound_listen_fd(master_address, master_port) if rank == 0 else None
         store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
-                              wait_for_workers=False, use_libuv=True)
+                              wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
     except Exception as e:
         role = "host" if rank == 0 else "reach"
         raise RuntimeError(f"rank {rank} of group {group_name!r} could not {role} the TCP store at {master} "

@@ -8,17 +8,20 @@ servers hold exactly that version; the results (`val/…`) land in metrics.jsonl
 from __future__ import annotations
 
 import json
+import os
+
 import pytest
 
 pytestmark = pytest.mark.integration
 
+
 def test_validation_metrics_every_test_freq_steps(tmp_path, run_launcher):
     run_dir = tmp_path / "run"
-    val = tmp_path / "assets" / "demo_val.parquet"  # missing: the launcher builds the demo validation set
-    rc, out = run_launcher(run_dir, "train.total_steps=6", "train.test_freq=2", f"data.val_files=[{val}]",
-                           "train.batch_size=2", "generation.n=4", "train.val_before_train=true")
+    rc, out = run_launcher(run_dir, "train.total_steps=6", "train.test_freq=2", "train.batch_size=2",
+                           "data.val_files=[demo:next-digit-val]", "generation.n=4", "train.val_before_train=true")
     assert rc == 0, out[-4000:]
-    assert val.exists()
+    val = json.loads((run_dir / "config.json").read_text())["data"]["val_files"][0]
+    assert val.startswith(os.environ["AREAL_LIKE_CACHE"]) and os.path.isfile(val)  # the demo name, resolved
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     val_rows = [r for r in rows if "val/all/mean@4" in r]

@@ -125,12 +125,16 @@ def _groups_rank(rank: int, world: int, port: int, q) -> None:
         dist.destroy_process_group()
 
 
-def test_layout_groups_on_four_gloo_ranks():
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_layout_groups_on_four_gloo_ranks():
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     mp.start_processes(_groups_rank, args=(4, port, q), nprocs=4, start_method="spawn")
@@ -141,3 +145,37 @@ def test_layout_groups_on_four_gloo_ranks():
     assert res[2]["pp"] == [2] and res[0]["mesh"] == 2
     want = [t.traj_id for g in synthetic_groups(9) for t in g.trajectories]
     assert all(r["groups"] == want and r["ids_equal"] and r["version"] == 7 for r in res.values())
+
+
+def _pool_rank(rank: int, world: int, port: int, q) -> None:
+    os.environ.update(GLOO_SOCKET_IFNAME="lo", RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from areal_like.learner.parallel.spawn import init_pool_from_env
+
+    assert init_pool_from_env(60) == rank
+    if rank == 0:  # which addresses listen on the store's port (/proc/net/tcp: hex ip:port, state 0A)
+        with open("/proc/net/tcp") as f:
+            rows = [ln.split() for ln in f.read().splitlines()[1:]]
+        listening = [r[1] for r in rows if r[3] == "0A" and int(r[1].split(":")[1], 16) == port]
+        with open("/proc/net/tcp6") as f:
+            rows6 = [ln.split() for ln in f.read().splitlines()[1:]]
+        listening += [r[1] for r in rows6 if r[3] == "0A" and int(r[1].split(":")[1], 16) == port]
+        q.put(listening)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_pool_store_listens_on_the_master_address_only():
+    """The learner pool's TCPStore binds MASTER_ADDR (127.0.0.1), not every interface."""
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_pool_rank, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert all(p.exitcode == 0 for p in procs)
+    assert q.get() == [f"0100007F:{port:04X}"]  # 127.0.0.1 only

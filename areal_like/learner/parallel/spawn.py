@@ -27,7 +27,8 @@ from areal_like.api.trajectory import Trajectory, TrajectoryGroup
 
 
 def init_pool_from_env(timeout_s: float = 300.0, device: str = "cpu") -> int:
-    """`init_process_group` from the env (no-op without WORLD_SIZE>1); returns this rank.
+    """`init_process_group` from the env (no-op without WORLD_SIZE>1); returns this rank. Rank 0's
+    store binds MASTER_ADDR only (the launcher uses 127.0.0.1).
 
     On CPU set GLOO_SOCKET_IFNAME=lo (or the node's interface) in the environment beforehand.
     """
@@ -37,7 +38,14 @@ def init_pool_from_env(timeout_s: float = 300.0, device: str = "cpu") -> int:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    from areal_like.weights.group import bound_listen_fd
+
+    rank, timeout = int(os.environ["RANK"]), datetime.timedelta(seconds=timeout_s)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    # Rank 0's TCPStore listens on MASTER_ADDR alone (env:// would bind every interface).
+    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+                          master_listen_fd=bound_listen_fd(addr, port) if rank == 0 else None, use_libuv=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank()
 
 
