@@ -86,17 +86,9 @@ def read_verl_parquet(path: str, *, prompt_key: str = "prompt", where: str | Non
     import pyarrow.parquet as pq
 
     where = where or path
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{where} does not exist: check data.train_files (or build the demo data "
-                                f"with `python examples/build_demo.py --out DIR`)")
+    check_verl_parquet(path, prompt_key=prompt_key, where=where)  # existence, columns: one set of messages
     table = pq.read_table(path)
     cols = set(table.column_names)
-    if prompt_key not in cols:
-        raise ValueError(f"{where} has no column {prompt_key!r} (columns: {sorted(cols)}): "
-                         f"set data.prompt_key=<the column holding the prompt>")
-    if "reward_model" not in cols:
-        raise ValueError(f"{where} has no column 'reward_model' (columns: {sorted(cols)}): verl format needs "
-                         f"reward_model: {{ground_truth: ...}} per row; add it to the file")
     n = table.num_rows
     prompts = table.column(prompt_key).to_pylist()
     rms = table.column("reward_model").to_pylist()
