@@ -28,6 +28,8 @@ class Role:
     proc: subprocess.Popen
     log_path: str
     critical: bool = True  # its death (before the run is done) stops the run
+    argv: list[str] = field(default_factory=list)  # how it was started: a restart starts it the same way
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -59,7 +61,7 @@ class ProcessTable:
             start_new_session=True,  # own process group: we end the role and its children together
         )
         log.close()
-        role = Role(name, proc, log_path, critical)
+        role = Role(name, proc, log_path, critical, list(argv), dict(env))
         self.roles.append(role)
         self._record()
         return role
@@ -70,6 +72,13 @@ class ProcessTable:
         with open(tmp, "w") as f:
             json.dump({"launcher": os.getpid(), "roles": pids}, f)
         os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
+
+    def restart(self, role: Role, extra_argv: list[str] = ()) -> Role:
+        """Start a dead role again under its name, with its argv (+ `extra_argv`) and environment; what
+        is left of its process group (helpers the dead process spawned) is ended first."""
+        end_process_group(role.pid, role.proc, 5.0)
+        self.roles.remove(role)
+        return self.start(role.name, [*role.argv, *extra_argv], role.env, critical=role.critical)
 
     def forget(self, role: Role) -> None:
         """Drop an ended role from the table (a restarted learner rank gets a new entry)."""

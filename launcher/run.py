@@ -9,9 +9,13 @@ logic: it only places processes, watches them and reports progress.
                ├─ learner                 (python -m areal_like.learner.main; ends the run after total_steps)
                └─ rollout0 … rolloutK-1   (python -m areal_like.rollout.worker)
 
-The run ends when the learner exits 0 (done), when any role dies (non-zero exit, the reason and the
-tail of that role's log), or on Ctrl-C / SIGTERM. In every case the launcher ends exactly the
-processes it started, by process group, and writes summary.json.
+A role that dies is restarted within its budget (`launcher.max_restarts.<role>`, one policy in
+`Run._on_death`): the learner pool from its checkpoint, a generation server paused on its port (the
+learner re-syncs it), a rollout worker after its gate slots are freed, our redis-server from its AOF.
+The run ends when the learner exits 0 (done), when a role dies past its budget or a rollout worker
+stops on reward failures (exit 1: the role, its exit code and the tail of its log), or on Ctrl-C /
+SIGTERM. In every case the launcher ends exactly the processes it started, by process group, and
+writes summary.json (with every restart).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import sys
 import time
 import urllib.request
 
-from launcher.procs import ProcessTable, end_process_group, free_port
+from launcher.procs import ProcessTable, Role, end_process_group, free_port
 from areal_like.api.run_files import Endpoints
 
 
@@ -179,6 +183,10 @@ class Run:
         self._reward_failures: dict[str, int] = dict.fromkeys(REWARD_FAILURE_KINDS, 0)  # run totals, from Redis
         self._reward_failures_shown: set[str] = set()  # kinds whose first failure was printed
         self._buffer_stats: dict = {}  # buffer counters last read (added, duplicates, dropped, …)
+        self._gate = None  # frees a dead rollout worker's slots before it restarts
+        self._t0 = time.monotonic()
+        # Supervision (issue 11): every restart, in order — summary.json's `restarts`
+        self._restarts: list[dict] = []
 
     # ---- phases -------------------------------------------------------------------------------
     def _prepare_assets(self) -> None:
@@ -268,7 +276,7 @@ class Run:
         return urls
 
     def execute(self) -> int:
-        t0 = time.monotonic()
+        t0 = self._t0 = time.monotonic()
         rc = 1
         self._rows_before = len(_read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))  # a resumed run appends
         prev_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -285,7 +293,7 @@ class Run:
                 f.write(encode_config(self.cfg))
             redis_url = self._redis_url = self._start_redis()
             env = self._child_env(redis_url)
-            urls = self._start_servers(env)
+            urls = self._server_urls = self._start_servers(env)
             sglang = self.alloc.generation.backend == "sglang"
             # metrics.prometheus=false: no role gets a metrics port (none serves /metrics).
             prom = self.cfg.metrics.prometheus
@@ -326,6 +334,8 @@ class Run:
             summary["exit_reason"] = self._stop_reason or ("completed" if rc == 0 else "failed")
             summary["reward_failures"] = dict(self._reward_failures)
             summary["buffer"] = dict(self._buffer_stats)  # over the run dir's whole life (Redis AOF)
+            summary["restarts"] = list(self._restarts)
+            summary["restart_counts"] = {kind: self._restart_count(kind) for kind in RESTART_KINDS}
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"[launcher] {summary['exit_reason']}: {json.dumps(summary)}", flush=True)
@@ -350,16 +360,125 @@ class Run:
             self.procs.start(_learner_role(rank), argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
         self._incarnation = incarnation
 
-    def _restart_learners(self, dead) -> None:
+    def _restart_learners(self, dead: Role) -> None:
         self._incarnation += 1
-        print(f"\n[launcher] {dead.name} exited with code {dead.proc.returncode}: restarting the learner pool "
-              f"from its latest checkpoint (restart {self._incarnation} of "
-              f"{self.cfg.launcher.max_learner_restarts}); last lines of {dead.log_path}:\n{dead.tail(5)}",
-              file=sys.stderr, flush=True)
+        self._record_restart("learner", dead, "restarting the learner pool from its latest checkpoint")
         for role in [r for r in self.procs.roles if r.name.startswith("learner")]:
             self.procs.stop(role, timeout_s=10.0)
             self.procs.forget(role)
         self._start_learners(self._incarnation)
+
+    # ---- supervision: one policy for every role ---------------------------------------------------
+    def _restart_count(self, kind: str) -> int:
+        return sum(1 for r in self._restarts if r["kind"] == kind)
+
+    def _budget(self, kind: str) -> int:
+        b = self.cfg.launcher.max_restarts
+        return {"learner": b.learner, "server": b.server, "rollout": b.rollout, "redis": b.redis}[kind]
+
+    def _record_restart(self, kind: str, dead: Role | None, what: str, exit_code: int | None = None) -> None:
+        """summary.json's `restarts` gets one entry; the console gets the reason and the log tail."""
+        code = dead.proc.returncode if dead is not None else exit_code
+        name = dead.name if dead is not None else kind
+        entry = {"role": name, "kind": kind, "exit_code": code, "at_s": round(time.monotonic() - self._t0, 2),
+                 "restart": self._restart_count(kind) + 1, "budget": self._budget(kind)}
+        self._restarts.append(entry)
+        tail = f"; last lines of {dead.log_path}:\n{dead.tail(5)}" if dead is not None else ""
+        print(f"\n[launcher] {name} exited with code {code}: {what} (restart {entry['restart']} of "
+              f"{entry['budget']}, launcher.max_restarts.{kind}){tail}", file=sys.stderr, flush=True)
+        try:
+            self._view().count_restart(kind)  # the learner watches restarts:server to re-sync that server
+        except Exception as e:  # noqa: BLE001 — the restart itself must go on; the learner also re-syncs on a failed push
+            print(f"[launcher] could not count the restart in Redis: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _status_tail(self) -> str:
+        """The progress line's end: reward failures and restarts so far (empty while there are none)."""
+        tail = _reward_failures_text(self._reward_failures)
+        if self._restarts:
+            tail += "  restarts: " + ", ".join(f"{k} {self._restart_count(k)}" for k in RESTART_KINDS
+                                             if self._restart_count(k))
+        return tail
+
+    def _view(self):
+        """The launcher's read-mostly view of the buffer (progress line, restart counters)."""
+        if self._buffer is None:
+            from areal_like.buffer.redis_client import RedisEndpoint
+            from areal_like.buffer.replay_buffer import ReplayBuffer
+
+            # Short retries: the supervision loop must notice a dead Redis (and restart it), not wait on it.
+            b = self.cfg.buffer
+            ep = RedisEndpoint(self._redis_url, password_env=b.password_env, socket_timeout_s=b.socket_timeout_s,
+                               retries=2, reconnect_timeout_s=2.0)
+            self._buffer = ReplayBuffer.from_config(b, url=self._redis_url, endpoint=ep)
+        return self._buffer
+
+    def _restart_server(self, dead: Role) -> None:
+        """Same port, devices and seed; started paused, so it serves nothing until the learner — told
+        through `restarts:server` — re-forms the weight group with it and pushes the current weights
+        (that push's /continue_generation un-pauses it). Its requests failed over meanwhile (client)."""
+        sglang = self.alloc.generation.backend == "sglang"
+        role = self.procs.restart(dead, [] if sglang else ["--start-paused"])
+        index = int(dead.name.removeprefix("server"))
+        url = self._server_urls[index]
+        _wait_health(url, max(self.cfg.server.health_timeout_s, 900.0) if sglang else self.cfg.server.health_timeout_s,
+                     role, f"restarted generation server {index}")
+        if sglang:  # SGLang has no start-paused flag: pause it now, before the learner's re-sync
+            self._pause_server(url)
+        self._record_restart("server", dead, f"restarted on {url}, paused until the learner re-syncs its weights")
+
+    def _pause_server(self, url: str) -> None:
+        req = urllib.request.Request(url + "/pause_generation", data=json.dumps({"mode": "abort"}).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.cfg.server.admin_api_key}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    def _restart_rollout(self, dead: Role) -> None:
+        """Its gate slots are freed first (the groups it had in flight never arrive: counted as
+        `lost_in_flight`); it resumes at its saved group number and prompt cursor."""
+        index = int(dead.name.removeprefix("rollout"))
+        if self._gate is None:
+            from areal_like.rollout.gate import StalenessGate
+
+            self._gate = StalenessGate.from_config(self.cfg.buffer, max_staleness=self.cfg.rollout.max_staleness,
+                                                   batch_size=self.cfg.train.batch_size, url=self._redis_url,
+                                                   endpoint=self._view().endpoint)
+        lost = self._gate.release_worker(index)
+        self.procs.restart(dead)
+        self._record_restart("rollout", dead, f"restarted; {lost} group(s) it had in flight counted as lost_in_flight")
+
+    def _restart_redis(self) -> None:
+        """Same port, data directory and password: Redis reloads its AOF; every role reconnects."""
+        code = self.redis.proc.returncode if self.redis.proc is not None else None
+        self.redis.restart()
+        self.procs.add_service("redis", self.redis.pid)
+        self._record_restart("redis", None, f"redis-server restarted on 127.0.0.1:{self.redis.port} from its AOF",
+                             exit_code=code)
+
+    def _on_death(self, role: Role) -> int | object | None:
+        """A role ended before the run did: restart it within its budget (None: the table changed),
+        `_IGNORED` (a learner rank that finished with rank 0), or the run's exit code (0: done)."""
+        rc = role.proc.returncode
+        kind = "learner" if role.name.startswith("learner") else "server" if role.name.startswith("server") else "rollout"
+        if kind == "learner":
+            if role.name != "learner" and rc == 0:
+                return _IGNORED  # a non-zero rank finished with rank 0; rank 0's exit ends the run
+            if rc == 0:
+                return 0
+        from areal_like.rollout.worker import EXIT_REWARD_FAILURES
+
+        if kind == "rollout" and rc == EXIT_REWARD_FAILURES:  # restarting would fail the same way
+            self._stop_reason = f"{role.name} stopped: too many reward failures"
+        elif self._restart_count(kind) < self._budget(kind):
+            {"learner": self._restart_learners, "server": self._restart_server, "rollout": self._restart_rollout}[kind](role)
+            return None
+        else:
+            budget = self._budget(kind)
+            self._stop_reason = (f"{role.name} exited with code {rc}"
+                                 + (f" after {budget} restart(s) (launcher.max_restarts.{kind}={budget})" if budget else ""))
+        print(f"\n[launcher] {self._stop_reason}; last lines of {role.log_path}:\n{role.tail()}",
+              file=sys.stderr, flush=True)
+        return 1
 
     def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int]) -> None:
         """file_sd targets for dashboards/prometheus.yml: every role's /metrics with a `role` label.
@@ -386,12 +505,9 @@ class Run:
         """The buffer depth for the progress line; also refreshes the reward failure totals and prints
         the first failure of each kind (with its traceback) once."""
         try:
-            if self._buffer is None:
-                from areal_like.buffer.replay_buffer import ReplayBuffer
-
-                self._buffer = ReplayBuffer.from_config(self.cfg.buffer, url=self._redis_url)
-            st = self._buffer.stats()
-            self._buffer_stats = {k: st[k] for k in ("added", "duplicates", "dropped", "stale_kept") if k in st}
+            st = self._view().stats()
+            self._buffer_stats = {k: st[k] for k in ("added", "duplicates", "dropped", "stale_kept", "lost_in_flight",
+                                                     "lost_after_restart", "depth", "pending") if k in st}
             self._reward_failures.update(st.get("reward_failures", {}))
             self._show_first_reward_failures()
             return str(st["depth"])
@@ -421,27 +537,30 @@ class Run:
         tty = sys.stdout.isatty()
         last_print = 0.0
         while True:
+            if self.redis is not None and not self.redis.is_running():
+                if self._restart_count("redis") >= self._budget("redis"):
+                    self._stop_reason = (f"redis-server (pid {self.redis.pid}) died after "
+                                         f"{self._restart_count('redis')} restart(s) (launcher.max_restarts.redis)")
+                    print(f"\n[launcher] {self._stop_reason}; its log: {self.redis.log_path}", file=sys.stderr, flush=True)
+                    return 1
+                self._restart_redis()
             for role in self.procs.dead():
-                is_learner = role.name.startswith("learner")
-                if is_learner and role.name != "learner" and role.proc.returncode == 0:
-                    continue  # a non-zero rank finished with rank 0; rank 0's exit ends the run
-                if is_learner and role.proc.returncode != 0 and self._incarnation < self.cfg.launcher.max_learner_restarts:
-                    self._restart_learners(role)
-                    break
-                if role.name == "learner" and role.proc.returncode == 0:
+                rc = self._on_death(role)
+                if rc == 0:
                     if tty:
                         print()
                     print(_progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth(),
-                                    _reward_failures_text(self._reward_failures)), flush=True)
+                                    self._status_tail()), flush=True)
                     return 0
-                self._stop_reason = f"{role.name} exited with code {role.proc.returncode}"
-                print(f"\n[launcher] {self._stop_reason}; last lines of {role.log_path}:\n{role.tail()}",
-                      file=sys.stderr, flush=True)
-                return 1
+                if rc is _IGNORED:
+                    continue
+                if rc is not None:
+                    return rc
+                break  # restarted: the table changed, look again
             now = time.monotonic()
             if now - last_print >= (1.0 if tty else 10.0):
                 line = _progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth(),
-                                 _reward_failures_text(self._reward_failures))
+                                 self._status_tail())
                 print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n", flush=True)
                 last_print = now
             time.sleep(0.2)
@@ -459,9 +578,14 @@ class Run:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+        self._gate = None  # shares the view's endpoint, closed with it
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+RESTART_KINDS = ("learner", "server", "rollout", "redis")
+_IGNORED = object()  # `_on_death`: nothing to do
 
 
 def _learner_role(rank: int) -> str:

@@ -80,6 +80,17 @@ def _aliases(src: str, tree: ast.Module) -> list[tuple[str, str]]:
     return []
 
 
+def _rows(src: str, classes: dict[str, ast.ClassDef], prefix: str, cls_name: str) -> list[str]:
+    """One table row per key of section `cls_name`; a nested section's keys under `prefix.field.`."""
+    rows = []
+    for fname, typ, default, fdoc in _fields(src, classes[cls_name]):
+        if typ in classes:
+            rows += _rows(src, classes, f"{prefix}.{fname}", typ)
+        else:
+            rows.append(f"| `{prefix}.{fname}` | `{_cell(typ)}` | `{_cell(default)}` | {_cell(fdoc)} |")
+    return rows
+
+
 def render(config_py: str = CONFIG_PY) -> str:
     with open(config_py, encoding="utf-8") as f:
         src = f.read()
@@ -110,8 +121,7 @@ def render(config_py: str = CONFIG_PY) -> str:
     for name, cls_name, doc in sections:
         lines += ["", f"## `{name}`", "", _one_line(doc) + f" (`{cls_name}`)", "",
                   "| key | type | default | what it does |", "|---|---|---|---|"]
-        for fname, typ, default, fdoc in _fields(src, classes[cls_name]):
-            lines.append(f"| `{name}.{fname}` | `{_cell(typ)}` | `{_cell(default)}` | {_cell(fdoc)} |")
+        lines += _rows(src, classes, name, cls_name)
     aliases = _aliases(src, tree)
     if aliases:
         lines += ["", "## Aliases (AReaL / verl names)", "",

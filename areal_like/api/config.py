@@ -319,10 +319,29 @@ class WeightSyncConfig(_Section):
     naming the server."""
 
 
+class RestartBudgets(_Section):
+    learner: int = 0
+    """A learner rank that dies restarts the whole pool from its latest checkpoint (needs
+    train.save_freq > 0) up to this many times; servers, rollouts and Redis keep running. 0 = a dead
+    learner ends the run."""
+    server: int = 3
+    """A generation server that dies is restarted on its port and devices, paused, and re-synced to the
+    current weights by the learner before it takes requests (its requests fail over meanwhile), up to
+    this many times per run."""
+    rollout: int = 3
+    """A rollout worker that dies is restarted (its gate slots freed, its in-flight groups counted as
+    `lost_in_flight`) up to this many times per run. A worker stopped by `reward.max_failure_fraction`
+    (exit 3) is never restarted."""
+    redis: int = 3
+    """The launcher's own redis-server (not one given by `buffer.redis_url`) that dies is restarted on
+    the same port and data directory — Redis reloads its AOF, every role reconnects — up to this many
+    times per run."""
+
+
 class LauncherConfig(_Section):
-    max_learner_restarts: int = 0
-    """A learner rank that dies restarts the whole pool from its latest checkpoint (train.save_freq > 0)
-    up to this many times; servers, rollouts and Redis keep running. 0 = a dead learner ends the run."""
+    max_restarts: RestartBudgets = msgspec.field(default_factory=RestartBudgets)
+    """Restart budgets per role; past a budget the run stops, naming the role, its exit code and its
+    log tail. Every restart is listed in summary.json (`restarts`)."""
     stop_timeout_s: float = 60.0
     """On Ctrl-C/stop, how long the learner may take to finish its step, checkpoint and commit."""
 
@@ -388,9 +407,14 @@ class ExperimentConfig(_Section):
                               f"{', '.join(WORKFLOW_NAMES)} (e.g. rollout.workflow=rlvr)")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
-        if self.launcher.max_learner_restarts > 0 and self.train.save_freq <= 0:
-            raise ConfigError("launcher.max_learner_restarts needs checkpoints to restart from: set train.save_freq=1 "
+        if self.launcher.max_restarts.learner > 0 and self.train.save_freq <= 0:
+            raise ConfigError("launcher.max_restarts.learner needs checkpoints to restart from: set train.save_freq=1 "
                               "(or larger)")
+        budgets = self.launcher.max_restarts
+        for role, n in (("learner", budgets.learner), ("server", budgets.server), ("rollout", budgets.rollout),
+                        ("redis", budgets.redis)):
+            if n < 0:
+                raise ConfigError(f"launcher.max_restarts.{role}={n}: use 0 (never restart) or more")
         if self.generation.max_new_tokens < 1:
             raise ConfigError("generation.max_new_tokens must be ≥ 1")
         if self.train.ppo_epochs < 1 or self.train.ppo_minibatches < 1:
@@ -441,6 +465,7 @@ ALIASES: dict[str, str] = {
     "total_training_steps": "train.total_steps",
     "trainer.total_training_steps": "train.total_steps",
     "total_steps": "train.total_steps",
+    "launcher.max_learner_restarts": "launcher.max_restarts.learner",  # this project's earlier name
     # PPO structure (AReaL / verl)
     "actor.ppo_n_minibatches": "train.ppo_minibatches",
     "ppo_n_minibatches": "train.ppo_minibatches",

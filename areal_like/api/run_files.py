@@ -49,7 +49,8 @@ class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
-    """One learner step as `metrics.jsonl` records it (NaN where a step trained nothing)."""
+    """One learner step as `metrics.jsonl` records it (every step trained B groups; a statistic the
+    step's algorithm does not compute is NaN or null)."""
 
     step: int
     version: int

@@ -161,12 +161,13 @@ class EvalChannel:
         self._pending = payload
         self.endpoint.run(self._g_set(self.request_key, payload, f"request validation of version {version}"))
 
-    def collect(self, version: int, timeout_s: float,
-                stopping: Callable[[], bool] | None = None) -> dict[str, float] | None:
+    def collect(self, version: int, timeout_s: float, stopping: Callable[[], bool] | None = None,
+                on_wait: Callable[[], None] | None = None) -> dict[str, float] | None:
         """Block until the evaluator answered this channel's request for `version`; returns its results
         (`val/…` keys). None if `stopping()` turned true first (the request is withdrawn). Raises
         EvalTimeout after `timeout_s`, EvalError if the evaluation failed, ValueError if `version`
-        was never requested through this channel."""
+        was never requested through this channel. `on_wait()` runs between polls; an exception it
+        raises leaves `collect` with the request still pending (collect it again afterwards)."""
         payload = next((p for (v, _), p in self._requests.items() if v == version), None)
         if payload is None:
             raise ValueError(f"collect(version={version}): no validation of that version was requested through "
@@ -186,6 +187,8 @@ class EvalChannel:
             if stopping is not None and stopping():
                 self._done(payload)
                 return None
+            if on_wait is not None:
+                on_wait()
             left = deadline - time.monotonic()
             if left <= 0:
                 self._done(payload)

@@ -615,6 +615,8 @@ class ReplayBuffer:
             "readded_after_restart": counters.get("readded_after_restart", 0),
             "lost_after_restart": counters.get("lost_after_restart", 0),
             "recommitted_after_restart": counters.get("recommitted_after_restart", 0),
+            "lost_in_flight": counters.get("lost_in_flight", 0),
+            "restarts": {f[len("restarts:"):]: v for f, v in counters.items() if f.startswith("restarts:")},
             "reward_failures": {kind: counters.get(f"reward_failures:{kind}", 0) for kind in scripts.REWARD_FAILURE_KINDS},
             "depth": int(xlen) - int(pending),
             "pending": int(pending),
@@ -655,6 +657,17 @@ class ReplayBuffer:
     def _g_set_version(self, version: int) -> OpGen:
         yield Call.one(f"set policy version {version}", self.keys.version,
                        Cmd("set", (self.keys.version, int(version))), idempotent=True)
+
+    def _g_count_restart(self, kind: str) -> OpGen:
+        field = f"restarts:{kind}"
+        n = yield Call.one(f"count a {kind} restart", self.keys.counters,
+                           Cmd("hincrby", (self.keys.counters, field, 1)), idempotent=False)
+        return int(n)
+
+    def _g_restarts(self, kind: str) -> OpGen:
+        n = yield Call.one(f"read {kind} restarts", self.keys.counters,
+                           Cmd("hget", (self.keys.counters, f"restarts:{kind}")), idempotent=True)
+        return int(n) if n is not None else 0
 
     def _g_rollout_cursor(self, worker: int) -> OpGen:
         key = self.keys.rollout_cursor(worker)
@@ -743,8 +756,9 @@ class ReplayBuffer:
 
         policy "drop": groups with staleness > max_staleness are acked and counted dropped:stale.
         policy "keep": all are returned to train; the stale ones are counted as stale_kept.
-        Dropped groups still count as consumed for the gate (see rollout/gate.py): the learner
-        takes B entries per step and trains on the kept ones.
+        Each dropped group hands its place back to the gate in the same atomic ack (counters.gate_credit,
+        as for `filtered`; see rollout/gate.py): the learner reads one replacement per drop, so every
+        step trains B groups.
         """
         return self.endpoint.run(self._g_filter_stale(entries, current_version, max_staleness, policy))
 
@@ -757,7 +771,8 @@ class ReplayBuffer:
 
     def stats(self) -> dict[str, Any]:
         """added, duplicates, consumed, acked, reclaimed, dropped {reason: n}, stale_kept,
-        readded/lost/recommitted_after_restart, depth, pending, oldest_age_s (oldest undelivered
+        readded/lost/recommitted_after_restart, lost_in_flight (groups of dead rollout workers),
+        restarts {kind: n} (roles the launcher restarted), depth, pending, oldest_age_s (oldest undelivered
         group, by the Redis clock), version, running. Also sets the depth/pending/age gauges."""
         return self.endpoint.run(self._g_stats())
 
@@ -781,6 +796,16 @@ class ReplayBuffer:
         """Add `counts` ({kind: n}) to the run's reward failure counters and record `first` ({kind: text})
         unless a failure of that kind was recorded before. Not retried (HINCRBY is not idempotent)."""
         self.endpoint.run(self._g_count_reward_failures(dict(counts), dict(first or {})))
+
+    def count_restart(self, kind: str) -> int:
+        """The launcher restarted a role of `kind` ("server", "rollout", "learner", "redis"): counters
+        `restarts:<kind>` += 1; returns the new total. A learner polls `restarts("server")` to learn that a
+        generation server came back without weights (it re-forms the weight group and pushes again)."""
+        return self.endpoint.run(self._g_count_restart(kind))
+
+    def restarts(self, kind: str) -> int:
+        """How many times the launcher restarted a role of `kind` in this run (one HGET)."""
+        return self.endpoint.run(self._g_restarts(kind))
 
     def get_version(self) -> int:
         return self.endpoint.run(self._g_get_version())

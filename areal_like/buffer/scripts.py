@@ -9,7 +9,8 @@ script may touch all of them atomically:
     {p}:version    STRING  policy version v (set by the learner after weights landed everywhere)
     {p}:counters   HASH    accepted, duplicates, acked, reclaimed, dropped:<reason>, stale_kept,
                            readded_after_restart, lost_after_restart, recommitted_after_restart,
-                           gate_credit (groups dropped as `filtered` and replaced by the learner),
+                           lost_in_flight (groups of dead rollout workers), restarts:<kind>,
+                           gate_credit (groups dropped as `stale` or `filtered` and replaced by the learner),
                            reward_failures:<kind> (reward calls that failed, by REWARD_FAILURE_KINDS;
                            rollout workers add to them, the launcher and the learner read them)
     {p}:running    ZSET    gate slots held by groups being generated; member = slot id (the group
@@ -222,9 +223,12 @@ for i = 3, #ARGV do
   end
 end
 if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], n) end
--- A group dropped by DAPO's dynamic sampling is replaced by an extra read of the learner: it hands
--- its place back to the staleness gate (capacity + gate_credit), in the same atomic step as the ack.
-if n > 0 and ARGV[2] == 'dropped:filtered' then redis.call('HINCRBY', KEYS[2], 'gate_credit', n) end
+-- A group the learner drops as stale (consume-time guard) or filtered (DAPO dynamic sampling) is
+-- replaced by an extra read, so every step trains B groups: it hands its place back to the staleness
+-- gate (capacity + gate_credit), in the same atomic step as the ack. Other drop reasons credit nothing.
+if n > 0 and (ARGV[2] == 'dropped:filtered' or ARGV[2] == 'dropped:stale') then
+  redis.call('HINCRBY', KEYS[2], 'gate_credit', n)
+end
 return n
 """)
 
@@ -269,8 +273,9 @@ return {xlen, pending, oldest, now_ms, redis.call('GET', KEYS[3]) or '0', redis.
 # KEYS: version, counters, running   ARGV: slot, eta, batch_size
 # Invariant 2: start a group only while accepted + running + 1 ≤ (η + v + 1)·B + credit — checked and
 # incremented in one atomic step. Idempotent: a slot already held is granted again (a retried call).
-# credit (counters.gate_credit) = groups the learner dropped as `filtered` and replaced by an extra
-# read (DAPO dynamic sampling), so the learner still consumes B entries per version net.
+# credit (counters.gate_credit) = groups the learner dropped as `stale` (consume-time guard) or
+# `filtered` (DAPO dynamic sampling) and replaced by an extra read, so the learner still consumes B
+# entries per version net.
 # Returns {granted 0|1, v, accepted, running (after), capacity}.
 TRY_ACQUIRE = LuaScript("gate_try_acquire", """
 local v = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -317,4 +322,19 @@ REAP = LuaScript("gate_reap", """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now_ms - tonumber(ARGV[1])))
+""")
+
+# KEYS: running, counters   ARGV: slot-id prefix (e.g. "w3-") — frees every slot a dead rollout worker
+# held (its groups were in flight and will never arrive) and counts them as lost_in_flight, in one
+# atomic step, so the gate admits replacements. Returns how many were freed.
+RELEASE_WORKER = LuaScript("gate_release_worker", """
+local prefix, n = ARGV[1], 0
+for _, slot in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if string.sub(slot, 1, #prefix) == prefix then
+    redis.call('ZREM', KEYS[1], slot)
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'lost_in_flight', n) end
+return n
 """)

@@ -401,7 +401,6 @@ class ModelRunner:
 
     def _prefill_chunk(self, chunk, dst_all, logits_rows) -> int:
         dev = self.device
-        P = len(chunk)
         T = max(len(p) for p, _ in chunk)
         pad = [T - len(p) for p, _ in chunk]
         ids_PT = torch.tensor([[0] * d + list(p) for d, (p, _) in zip(pad, chunk)], dtype=torch.long, device=dev)

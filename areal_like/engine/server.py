@@ -4,7 +4,7 @@
         [--dtype float32|bfloat16] [--max-batch-size 64] [--max-context-len 512] [--weight-version 0]
         [--random-seed S] [--api-key K] [--admin-api-key K] [--torch-threads N] [--max-prefill-tokens N]
         [--served-model-name NAME] [--disable-metrics] [--max-n 128] [--max-new-tokens-limit N]
-        [--max-prompt-len N] [--max-request-bytes 8388608] [--max-queued-tokens N]
+        [--max-prompt-len N] [--max-request-bytes 8388608] [--max-queued-tokens N] [--start-paused]
     (the keys may come from AREAL_LIKE_API_KEY / AREAL_LIKE_ADMIN_API_KEY instead: argv is world-readable)
 
 aiohttp on uvloop. This module parses and validates requests, tokenizes text, and shapes replies
@@ -209,6 +209,8 @@ class GenerationServer:
 
     async def _on_startup(self, app) -> None:
         self.scheduler.start()
+        if self.args.start_paused:  # a restarted server: hold requests until the learner pushed weights
+            await self.scheduler.pause("abort")  # nothing is queued yet: exactly /pause_generation's state
 
     async def _on_cleanup(self, app) -> None:
         await self.scheduler.close()
@@ -935,6 +937,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-sync-timeout-s", type=float, default=300.0, help="collective timeout of weight groups")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--disable-metrics", action="store_true", help="do not serve Prometheus /metrics")
+    p.add_argument("--start-paused", action="store_true",
+                   help="start as after /pause_generation: requests are held (/health answers 'paused') until "
+                        "/continue_generation — a restarted server must not serve --model-path's weights to "
+                        "rollouts before the learner pushed the current ones")
     args = p.parse_args(argv)
     if args.max_batch_size < 1 or args.max_context_len < 2:
         p.error("--max-batch-size must be ≥ 1 and --max-context-len ≥ 2")

@@ -2,9 +2,10 @@
 
     resume: checkpoint (if any) → buffer.recover (finish a cut-off commit; pending entries to redo)
             → push the restored weights so every server serves the policy we resume from
-    ┌─ fetch exactly B entries (rank 0; redo entries first; blocks until rollouts produced them)
+    ┌─ fetch B groups to train (rank 0; redo entries first; blocks until rollouts produced them)
     │    ├─ consume-time guard: drop groups older than the limit (counted; ~0 when the gate works)
-    │    └─ DAPO dynamic sampling: drop groups whose rewards are all equal, read replacements
+    │    ├─ DAPO dynamic sampling: drop groups whose rewards are all equal
+    │    └─ each drop credits the gate (same atomic ack) and is replaced by one more read
     ├─ broadcast the groups to every rank (msgpack bytes)
     ├─ train   (every rank: forward-only passes, advantages, ppo_epochs × ppo_minibatches updates)
     ├─ collect the validation of the served version, if one is running (servers must not change under
@@ -22,6 +23,13 @@ commits at once. `trained.jsonl` logs what each incarnation trained, for audits 
 
 Only rank 0 talks to Redis and the servers (`Coordinator`); the other ranks hold a `Follower`
 whose every method does nothing, so the loop has no rank checks. The learner never imports the engine.
+
+Server restarts (the launcher starts a restarted server with --start-paused and counts it in
+`restarts:server`): before each push, and on every empty read while fetch waits, rank 0 compares the
+count with the last it saw; when it grew, or when a push failed (a server died mid-push), it re-syncs:
+waits for every server, re-forms the weight group (`pusher.reform()`) and pushes the weights it holds
+(those of its last push) again, which also continues the restarted server. Rank 0 alone does this (no
+collective among learner ranks); after MAX_RESYNCS failed tries it raises and the learner exits non-zero.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from areal_like.api.config import ExperimentConfig, decode_config
 from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics
 
 CONSUMER = "learner-0"
+MAX_RESYNCS = 3  # re-syncs (wait, re-form, push) one push may take before the learner gives up
 _STOP = -(2**62)  # a version no run reaches: rank 0's "stop now" to the other ranks
 
 
@@ -49,6 +58,10 @@ def _log(msg: str) -> None:
 def _append_jsonl(path: str, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+class _ServersRestarted(Exception):
+    """Raised between polls of a validation wait: a server restarted and must be re-synced first."""
 
 
 @dataclass
@@ -88,25 +101,51 @@ class Coordinator:
         self.redo: list = []
         self.uncommitted: list[tuple[str, str]] = []  # (entry id, group id) trained, not yet committed
         self.trained_log = os.path.join(run_dir, "trained.jsonl")
+        # (tensors, version) the servers serve: what a re-sync pushes again. For d1p1t1 the tensors
+        # alias the live parameters, unchanged until the next train step (the next push replaces them).
+        self.pushed: tuple[list, int] | None = None
+        self.seen_restarts = 0  # buffer.restarts("server") when the servers were last known in sync
 
-    async def start(self, extra: dict | None, version: int, layout, n_servers: int) -> None:
+    async def start(self, extra: dict | None, version: int, layout, n_servers: int, tensors: list) -> None:
+        """Recover the buffer, set up weight sync and make every server serve `tensors` as `version`:
+        pushed when resuming from a checkpoint (the servers may hold newer weights); on a fresh start
+        the servers already serve version 0 (model.path) and are only continued (one restarted with
+        --start-paused before this learner started waits for that)."""
+        from areal_like.weights import WeightPushError
+
         step = extra["step"] if extra else 0
         uncommitted = [tuple(p) for p in (extra or {}).get("uncommitted", [])]
         self.redo = self.buffer.recover(CONSUMER, uncommitted, step)
         if self.redo:
             _log(f"recovered {len(self.redo)} entr(ies) read but not covered by a checkpoint: training them first")
-        await self.pusher.init()
+        self.seen_restarts = self.buffer.restarts("server")
+        self.pushed = (tensors, version)
+        resync = None
+        try:
+            await self.pusher.init()
+            if extra is None:
+                await self.pusher.resume()
+        except WeightPushError as e:
+            resync = f"setting up weight sync failed ({e})"
+        if extra is not None or resync is not None:
+            await self._push(tensors, version, resync=resync)
+        if extra is not None:
+            _log(f"resumed from step {step} (version {version}); servers reloaded")
         _append_jsonl(self.trained_log, {"event": "start", "incarnation": self.incarnation, "resumed_from_step": step})
         _log(f"ready: B={self.cfg.train.batch_size} groups/step, η={self.cfg.rollout.max_staleness}, "
              f"layout {layout.spec}, algorithm {self.cfg.algorithm.adv_estimator}, {n_servers} server(s), "
              f"weights.mode={self.cfg.weights.mode}")
 
     # ---- fetch --------------------------------------------------------------------------------------
-    def fetch(self, version: int, stopping) -> Batch | None:
-        """Exactly B entries net: the gate admits (η+v+1)·B (+ credit) groups in total, so the learner
-        consumes B entries per version — stale drops included — plus one replacement per group that
-        DAPO's filter dropped (each such drop returns its place to the gate, in the same atomic ack).
+    async def fetch(self, version: int, stopping) -> Batch | None:
+        """B groups to train, always: the gate admits (η+v+1)·B (+ credit) groups in total, so the
+        learner consumes B entries per version net. Each group dropped on the way — stale (older than
+        the consume-time limit) or filtered (DAPO: all rewards equal, at most filter_groups_max_extra
+        per step) — returns its place to the gate in the same atomic ack (gate_credit) and is replaced
+        by one more read, so a step never trains fewer than B groups.
 
+        While it waits for data it re-syncs servers the launcher restarted (a restarted server holds
+        its requests until weights are pushed: without this a run whose only server restarted stalls).
         None when asked to stop meanwhile: what was read stays pending and is recovered next time."""
         alg = self.cfg.algorithm
         t0 = time.monotonic()
@@ -120,13 +159,16 @@ class Coordinator:
             if not got:
                 got = self.buffer.read(need, self.cfg.buffer.block_ms, CONSUMER)
             if not got:
+                await self._resync_if_restarted()
                 continue
             need -= len(got)
-            keep, dropped = self.buffer.filter_stale(got, version, self.limit,  # acks and counts the dropped
-                                                     self.cfg.train.consume_stale_policy)
+            # acks and counts the dropped, crediting the gate in the same script
+            keep, dropped = self.buffer.filter_stale(got, version, self.limit, self.cfg.train.consume_stale_policy)
             if dropped:
                 b.dropped_stale += len(dropped)
-                _log(f"dropped {len(dropped)} group(s) older than {self.limit} versions at v={version}")
+                need += len(dropped)
+                _log(f"dropped {len(dropped)} group(s) older than {self.limit} versions at v={version}; "
+                     f"reading replacements")
             if alg.filter_groups:
                 uniform = [e for e in keep if len({t.reward for t in e[1].trajectories}) <= 1][:budget - b.filtered]
                 if uniform:
@@ -140,13 +182,56 @@ class Coordinator:
         b.fetch_s = time.monotonic() - t0
         return b
 
-    # ---- push, version, commit ------------------------------------------------------------------------
+    # ---- push, re-sync, version, commit ----------------------------------------------------------------
     async def push(self, tensors, version: int) -> dict:
-        return await self.pusher.push(tensors, version)
+        """Push the step's weights as `version`, re-syncing first if a server restarted since the last
+        push, and after a failed push (see `_push`)."""
+        return await self._push(tensors, version, resync=self._restarted())
 
-    async def reload(self, tensors, version: int, step: int) -> None:
-        await self.pusher.push(tensors, version)
-        _log(f"resumed from step {step} (version {version}); servers reloaded")
+    def _restarted(self) -> str | None:
+        n = self.buffer.restarts("server")
+        return f"server(s) restarted ({n - self.seen_restarts} restart(s))" if n > self.seen_restarts else None
+
+    def _raise_if_restarted(self) -> None:
+        if self._restarted() is not None:
+            raise _ServersRestarted
+
+    async def _resync_if_restarted(self) -> None:
+        """A server restarted while nothing is being pushed: push the weights the others serve again."""
+        reason = self._restarted()
+        if reason is not None and self.pushed is not None:
+            tensors, version = self.pushed
+            await self._push(tensors, version, resync=reason)
+
+    async def _push(self, tensors, version: int, resync: str | None = None) -> dict:
+        """Push `tensors` as `version`. With `resync` (why), and after a push that failed (a server
+        died mid-push), re-sync: wait until every server answers, re-form the weight group, push
+        (pause → buckets → continue, which also continues a server started paused). At most
+        MAX_RESYNCS re-syncs, then WeightPushError: the learner exits, the launcher restarts it."""
+        from areal_like.weights import WeightPushError
+
+        reason, err, how = resync, None, ""
+        seen, t0 = self.seen_restarts, time.monotonic()
+        for attempt in range(MAX_RESYNCS + 1 if resync is None else MAX_RESYNCS):
+            try:
+                if reason is not None:
+                    seen = self.buffer.restarts("server")  # before: a restart during the re-sync triggers another
+                    how = await self.pusher.reform()
+                res = await self.pusher.push(tensors, version)
+            except WeightPushError as e:
+                err = e
+                reason = reason or "a weight push failed"
+                _log(f"weight sync of version {version} failed ({e}): re-syncing the servers")
+                continue
+            again = " again" if self.pushed is not None and self.pushed[1] == version else ""
+            self.pushed = (tensors, version)
+            if reason is not None:
+                self.seen_restarts = max(self.seen_restarts, seen)
+                M.WEIGHT_RESYNCS.inc()
+                _log(f"{reason}: {how}, pushed version {version}{again} in {time.monotonic() - t0:.1f} s")
+            return res
+        raise WeightPushError(f"could not push version {version} to every server after {MAX_RESYNCS} re-sync(s) "
+                              f"({reason}); last error: {err}")
 
     def set_version(self, version: int) -> None:
         self.buffer.set_version(version)
@@ -175,11 +260,20 @@ class Coordinator:
             self.evals.request(version, step)
             self.eval_pending = version
 
-    def collect_eval(self, stopping) -> None:
+    async def collect_eval(self, stopping) -> None:
         """Wait for the pending validation (the servers must keep its version until it ends) and write
-        the held metrics row of the step it evaluated, results included (none if asked to stop)."""
+        the held metrics row of the step it evaluated, results included (none if asked to stop).
+        A server restarted meanwhile is re-synced (to this same version) without abandoning the wait:
+        it may hold the validation's requests paused."""
         if self.evals is not None and self.eval_pending is not None:
-            res = self.evals.collect(self.eval_pending, self.cfg.eval.timeout_s, stopping) or {}
+            deadline = time.monotonic() + self.cfg.eval.timeout_s
+            while True:
+                try:
+                    res = self.evals.collect(self.eval_pending, max(0.0, deadline - time.monotonic()), stopping,
+                                             on_wait=self._raise_if_restarted) or {}
+                    break
+                except _ServersRestarted:
+                    await self._resync_if_restarted()
             self.eval_pending = None
             M.set_val_metrics(res)
             if self.held_row is not None:
@@ -238,15 +332,14 @@ class Follower:
     """Every rank but 0: the coordinator's verbs, doing nothing (rank 0 alone talks to Redis and servers)."""
 
     async def start(self, *a) -> None: ...
-    def fetch(self, version: int, stopping) -> Batch: return Batch()  # noqa: E704
+    async def fetch(self, version: int, stopping) -> Batch: return Batch()  # noqa: E704
     async def push(self, tensors, version: int) -> dict: return {"push_s": 0.0}  # noqa: E704
-    async def reload(self, *a) -> None: ...
     def set_version(self, version: int) -> None: ...
     def published(self, *a) -> None: ...
     def commit(self, step: int) -> None: ...
     def checkpoint_extra(self, step: int, version: int) -> dict: return {"step": step, "version": version}  # noqa: E704
     def maybe_request_eval(self, *a) -> None: ...
-    def collect_eval(self, stopping) -> None: ...
+    async def collect_eval(self, stopping) -> None: ...
     def report(self, *a) -> None: ...
     async def close(self, *a, **kw) -> None: ...
 
@@ -267,9 +360,9 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     step = last_saved = extra["step"] if extra else 0
     version = extra["version"] if extra else 0
     coord = Coordinator(cfg, endpoints, run_dir, incarnation, weight_port, metrics_port) if rank == 0 else Follower()
-    await coord.start(extra, version, trainer.layout, len(endpoints.servers))
-    if extra is not None:  # the servers may hold newer weights from steps this checkpoint does not have
-        await coord.reload(trainer.named_tensors_for_push(), version, step)  # collective gather; rank 0 pushes
+    # Collective gather (full tensors on rank 0): pushed when resuming (the servers may hold newer weights
+    # from steps this checkpoint does not have), and kept to push again if a server restarts before step 1.
+    await coord.start(extra, version, trainer.layout, len(endpoints.servers), trainer.named_tensors_for_push())
     coord.set_version(version)
     coord.maybe_request_eval(version, step)
     # SIGTERM/SIGINT (launcher stop, Ctrl-C): rank 0 finishes the step in hand, tells the other
@@ -288,15 +381,15 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         last_saved = step
 
     while step < cfg.train.total_steps:
-        batch = coord.fetch(version, stopping)
+        batch = await coord.fetch(version, stopping)
         groups, shared = broadcast_groups(batch.groups if batch else [], version if batch else _STOP, trainer.layout)
         if shared == _STOP:
             stopped = True
             break
         step += 1
-        stats = trainer.train_step(groups, version) if groups else _empty_stats()
+        stats = trainer.train_step(groups, version)  # B groups, always (fetch replaces every drop)
         tensors = trainer.named_tensors_for_push()  # collective; full tensors on rank 0
-        coord.collect_eval(stopping)
+        await coord.collect_eval(stopping)
         push = await coord.push(tensors, version + 1)
         version += 1
         coord.published(step, version, batch)
@@ -307,20 +400,11 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
             checkpoint_and_commit()
         coord.report(step, version, stats, batch, push)
 
-    coord.collect_eval(stopping)  # the last validation, if one is running (none when stopping)
+    await coord.collect_eval(stopping)  # the last validation, if one is running (none when stopping)
     if stopped and ckpt.save_freq > 0 and step > last_saved:
         checkpoint_and_commit()
     await coord.close(stopped, step, version, saved=stopped and ckpt.save_freq > 0)
     return 0
-
-
-def _empty_stats() -> dict:
-    """A step whose every group was dropped by the consume-time guard: nothing to train on."""
-    nan = float("nan")
-    return {"reward_mean": nan, "num_samples": 0, "step_s": 0.0, "loss": nan, "grad_norm": nan, "clipfrac": nan,
-            "approx_kl": nan, "behav_w_min": nan, "behav_w_max": nan, "behav_tokens_capped": 0, "kl_ref": None,
-            "entropy": nan, "value_loss": None, "adv_abs_mean": nan, "optimizer_steps": 0, "loss_tokens": 0,
-            "skipped": True}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,8 @@ POLICY_VERSION = Gauge("areal_like_policy_version", "Policy version v of the lea
 LEARNER_STEP = Gauge("areal_like_learner_step", "Training steps completed", registry=REGISTRY)
 STEP_SECONDS = Histogram("areal_like_learner_step_seconds", "Seconds of one training step (excluding push)", registry=REGISTRY)
 PUSH_SECONDS = Histogram("areal_like_weight_push_seconds", "Seconds of one weight push (pause → continue)", registry=REGISTRY)
+WEIGHT_RESYNCS = Counter("areal_like_weight_resyncs", "Weight groups re-formed and weights pushed again because a "
+                         "generation server restarted or a push failed", registry=REGISTRY)
 STALENESS = Histogram("areal_like_staleness", "Policy versions between a group's oldest token and the learner",
                       buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=REGISTRY)
 STALENESS_MAX = Gauge("areal_like_staleness_max", "Largest staleness seen in the last step", registry=REGISTRY)

@@ -3,7 +3,7 @@
 A worker may start a new group only while
 
         accepted + running + 1  ≤  (η + v + 1) · B  (+ credit: groups the learner dropped as
-                                                    `filtered` and replaced by an extra read)
+                                                    `stale` or `filtered` and replaced by an extra read)
 
 B = groups per training step, η = max staleness, v = policy version ({p}:version), accepted = groups
 ever accepted into the buffer, running = slots held by groups being generated. The check and the
@@ -17,8 +17,10 @@ Accounting — a group's life as the counters see it:
 ```
    try_acquire(slot) ─► running +1 ──┬─ add_group(g)  ── one script ─► running −1, accepted +1 ─► stream
          │  (refused: wait)          │  (buffer/replay_buffer.py)                                  │
-         ▼                           └─ release(slot)  (failed/rejected group) ─► running −1        │
-   GATE_REJECTIONS +1                   reap(max_age)  (worker died holding it) ─► running −1        ▼
+         ▼                           ├─ release(slot)  (failed/rejected group) ─► running −1        │
+   GATE_REJECTIONS +1                ├─ release_worker(k) (worker k died; the launcher frees its     │
+                                     │   slots before restarting it) ─► running −n, lost_in_flight +n ▼
+                                     └─ reap(max_age)  (a worker nobody supervises died) ─► running −1
                                                                               learner reads B per step:
                                                                               trains the fresh ones,
                                                                               drops stale/bad ones
@@ -26,9 +28,11 @@ Accounting — a group's life as the counters see it:
 
 `accepted` only grows: a group counts from the moment it enters the stream (with or without a slot),
 whether the learner later trains it or drops it (stale, malformed, filtered). The gate relies on the
-learner consuming B accepted groups per version — drops included — i.e. the learner takes B entries
-per step and trains on those it keeps. A learner that read extra entries to replace drops would eat
-into the next version's capacity; one that reads fewer stalls the gate.
+learner consuming B accepted groups per version net: it trains B groups per step, and every group it
+drops as stale (consume-time guard) or filtered (DAPO) is acked with a gate credit (gate_credit += 1,
+same script) and replaced by one more read, so replacements never eat into the next version's
+capacity. Drops for other reasons (malformed, duplicate, already trained) are not replaced and
+credit nothing.
 
 Learner restart (DESIGN invariant 4): the learner acks only what its last checkpoint covers, so on
 restart everything after it is still pending; it reclaims those entries (`ReplayBuffer.reclaim`),
@@ -91,7 +95,7 @@ class GateTimeout(RedisCallTimeout):
 
 def capacity(max_staleness: int, version: int, batch_size: int, credit: int = 0) -> int:
     """(η + v + 1)·B + credit — the most groups that may be accepted or running at policy version v.
-    `credit`: groups the learner dropped as `filtered` (DAPO dynamic sampling) and replaced by an
+    `credit`: groups the learner dropped as `stale` or `filtered` (DAPO) and replaced by an
     extra read, so that it still consumes B entries per version net."""
     return (max_staleness + version + 1) * batch_size + credit
 
@@ -220,6 +224,12 @@ class StalenessGate:
                            Cmd.lua(scripts.REAP, [self.keys.running], [int(max_age_s * 1000)]), idempotent=True)
         return int(n)
 
+    def _g_release_worker(self, prefix: str) -> OpGen:
+        n = yield Call.one(f"gate free the slots of {prefix}*", self.keys.running,
+                           Cmd.lua(scripts.RELEASE_WORKER, [self.keys.running, self.keys.counters], [prefix]),
+                           idempotent=True)
+        return int(n)
+
     # ---- sync ---------------------------------------------------------------------------------
     def try_acquire(self, slot_id: str) -> bool:
         """Take a slot for the group `slot_id` if the bound allows; never waits."""
@@ -249,6 +259,11 @@ class StalenessGate:
     def reap(self, max_age_s: float) -> int:
         """Free slots held for longer than `max_age_s` (workers that died mid-group); returns how many."""
         return self.endpoint.run(self._g_reap(max_age_s))
+
+    def release_worker(self, index: int) -> int:
+        """Free every slot rollout worker `index` holds (it died: its groups in flight will never be
+        added) and count them as `lost_in_flight`; returns how many. Call before restarting it."""
+        return self.endpoint.run(self._g_release_worker(f"w{index}-"))
 
     def close(self) -> None:
         self.endpoint.close()

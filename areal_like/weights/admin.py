@@ -4,12 +4,14 @@ One aiohttp session to every generation server's admin routes: POST with the adm
 a timeout, and every failure (HTTP status, timeout, connection, `success: false`) raised as a
 `WeightPushError` naming the server and path; fan-out to all servers; the optional
 /begin_weight_update and /end_weight_update around an update (probed once per server, a 404
-means the server does not speak them).
+means the server does not speak them); `wait_servers`, the bounded wait for restarted servers
+that both pushers' `reform()` starts with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Self
 
 import aiohttp
@@ -73,6 +75,46 @@ class ServerAdmin:
         """Open the HTTP session (once)."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
+
+    async def wait_servers(self, timeout_s: float | None = None, poll_s: float = 0.25) -> None:
+        """Wait until every server answers GET /health with 200 ("paused" counts: a server restarted
+        with --start-paused is up and waiting for weights). Raises WeightPushError naming the servers
+        that did not answer within `timeout_s` (default: the pusher's timeout)."""
+        assert self._session is not None, "call init() first"
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        waiting = list(self.server_urls)
+        last: dict[str, str] = {}
+
+        async def up(url: str) -> bool:
+            left = max(0.5, min(10.0, deadline - time.monotonic()))
+            try:
+                async with self._session.get(url + "/health", headers=self._headers,
+                                             timeout=aiohttp.ClientTimeout(total=left)) as resp:
+                    if resp.status == 200:
+                        return True
+                    last[url] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last[url] = f"{type(e).__name__}: {e}"
+            return False
+
+        while True:
+            ok = await asyncio.gather(*(up(u) for u in waiting))
+            waiting = [u for u, o in zip(waiting, ok) if not o]
+            if not waiting:
+                return
+            if time.monotonic() >= deadline:
+                raise WeightPushError("server(s) did not answer /health within "
+                                      f"{self.timeout_s if timeout_s is None else timeout_s:.0f}s: "
+                                      + "; ".join(f"{u} ({last.get(u, 'no answer')})" for u in waiting))
+            await asyncio.sleep(poll_s)
+
+    async def reform(self) -> str:
+        """After a server restarted or a push failed: wait for every server (`wait_servers`) and set
+        up what the next push needs again; returns what was done, for the log. The caller pushes the
+        current weights next (which also continues a server started paused)."""
+        await self.init()
+        await self.wait_servers()
+        return "every server answers again (no weight group in this mode)"
 
     async def resume(self) -> None:
         """Continue generation on every server (after a failed `WeightPusher` push was repaired;

@@ -11,6 +11,10 @@ The HTTP calls that block on the group (init, each update) are sent first and aw
 each server answers only after the collective it is waiting for. Blocking torch.distributed work
 runs on a thread so the event loop keeps serving the other HTTP replies. This module does not decide
 when to push or which version comes next (the learner does).
+
+A restarted server is not in the group, and a server that died mid-push breaks it: `reform()` waits
+for every server, drops the old group (here, and best-effort on the servers) and forms a new one
+under a new name (`<group_name>_r<k>`) on a fresh port; the learner then pushes its current weights.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
-from areal_like.weights.group import WeightGroup, init_weight_group
+from areal_like.weights.group import WeightGroup, free_port, init_weight_group
 from areal_like.weights.receive import dtype_name
 
 log = logging.getLogger(__name__)
@@ -92,22 +96,32 @@ class WeightPusher(ServerAdmin):
         self.world_size = 1 + sum(self.devices)
         self.group: WeightGroup | None = None
         self._flat = _FlatBuffers()
+        self.base_group_name = group_name
+        self.reforms = 0  # groups re-formed so far (the k of `<group_name>_r<k>`)
+        self._collective: asyncio.Future | None = None  # the collective thread of the last call, if any
 
     # ---------------------------------------------------------------- collectives
     async def _with_collective(self, http: list[asyncio.Task], collective) -> list:
         """Run the blocking collective on a thread while the servers' replies are pending; an early
         HTTP failure is raised at once instead of after the collective's timeout."""
-        coll = asyncio.ensure_future(asyncio.to_thread(collective))
+        coll = self._collective = asyncio.ensure_future(asyncio.to_thread(collective))
+        coll.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
         pending = {coll, *http}
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for d in done:
-                    d.result()  # raises the first failure (naming its server or the group)
+                    try:
+                        d.result()  # raises the first failure (naming its server or the group)
+                    except WeightPushError:
+                        raise
+                    except Exception as e:  # the collective (RuntimeError naming the group and peer)
+                        raise WeightPushError(str(e)) from e
         except BaseException:
             for t in http:
                 t.cancel()
-            # The collective thread cannot be interrupted; it ends at the group's timeout.
+            # The collective thread cannot be interrupted; it ends at the group's timeout (`reform`
+            # waits for it before it destroys the group).
             raise
         return [t.result() for t in http]
 
@@ -115,6 +129,9 @@ class WeightPusher(ServerAdmin):
     async def init(self) -> None:
         """Form the weight group with every server (trainer = rank 0)."""
         await super().init()
+        await self._form_group()
+
+    async def _form_group(self) -> None:
         http = []
         offset = 1
         for url, ndev in zip(self.server_urls, self.devices):
@@ -133,6 +150,43 @@ class WeightPusher(ServerAdmin):
         await self._with_collective(http, join)
         self.group = box[0]
         log.info("weight group %r formed with %d servers", self.group_name, len(self.server_urls))
+
+    async def _drop_group(self, server_timeout_s: float = 10.0) -> None:
+        """Forget the current group: best-effort destroy on the servers (a restarted one never had
+        it; errors ignored), then here — once the collective thread of a failed call has ended (it
+        ends at the group's timeout at the latest); one still running then is abandoned with its group."""
+        group, name = self.group, self.group_name
+        self.group = None
+        if self._session is not None:
+            res = await asyncio.gather(*(self._post(u, "/destroy_weights_update_group", {"group_name": name},
+                                                    timeout_s=server_timeout_s) for u in self.server_urls),
+                                       return_exceptions=True)
+            for url, r in zip(self.server_urls, res):
+                if isinstance(r, BaseException):
+                    log.info("destroying weight group %r on %s (ignored): %s", name, url, r)
+        coll, self._collective = self._collective, None
+        if group is None:
+            return  # never formed (a join that failed or still runs is abandoned: it ends at its timeout)
+        if coll is not None and not coll.done():
+            await asyncio.wait({coll}, timeout=self.timeout_s + 5)
+            if not coll.done():
+                log.warning("a collective of weight group %r is still running: abandoning the group", name)
+                return
+        await asyncio.to_thread(group.destroy)
+
+    async def reform(self) -> str:
+        """Re-form the weight group after a server restarted or a push failed: wait until every
+        server answers (bounded by the timeout; the error names those that did not), drop the old
+        group, form `<group_name>_r<k>` on a fresh free port of `master_addr`. Returns its description.
+        The servers keep serving what they hold (a restarted one stays paused): push next."""
+        await ServerAdmin.init(self)
+        await self.wait_servers()
+        await self._drop_group()
+        self.reforms += 1
+        self.group_name = f"{self.base_group_name}_r{self.reforms}"
+        self.master_port = free_port(self.master_addr)
+        await self._form_group()
+        return f"re-formed the weight group as {self.group_name!r} on {self.master_addr}:{self.master_port}"
 
     async def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Pause → bucketed broadcast → continue. Sets every server's weight_version to str(version).
@@ -196,11 +250,6 @@ class WeightPusher(ServerAdmin):
         """Destroy the group on the servers and here; close the HTTP session."""
         try:
             if self.group is not None and self._session is not None:
-                try:
-                    await self._all("/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=30)
-                except WeightPushError as e:
-                    log.warning("destroying the weight group on the servers: %s", e)
-                await asyncio.to_thread(self.group.destroy)
-                self.group = None
+                await self._drop_group(server_timeout_s=30)
         finally:
             await super().close()

@@ -148,3 +148,22 @@ async def test_evaluator_answers_a_request_with_the_weights_the_servers_hold(ser
         other = await ev.evaluate(2, 7)
         assert other["val/version_mismatch_tokens"] == other["val/generated_tokens"] > 0
     await reward_fn.close()
+
+
+async def test_a_wait_interrupted_by_on_wait_keeps_the_request(redis_server, redis_stream):
+    """The learner leaves a validation wait to re-sync a restarted server (on_wait raises) and waits
+    again: the request is still there, the evaluator still answers it, the second wait gets it."""
+    learner, ev = _pair(redis_server.url, redis_stream)
+    learner.request(5, 10)
+
+    class Restarted(Exception):
+        pass
+
+    def restarted() -> None:
+        raise Restarted
+
+    with pytest.raises(Restarted):
+        learner.collect(5, 5.0, on_wait=restarted)
+    assert await ev.next_request_async(-1) == (5, 10)  # not withdrawn
+    await ev.publish_async(5, {"val/all/mean@4": 0.75})
+    assert learner.collect(5, 5.0) == {"val/all/mean@4": 0.75}

@@ -81,7 +81,8 @@ class Monitor:
 
     def check(self, st: dict) -> None:
         self.samples += 1
-        assert st["capacity"] == (self.eta + st["version"] + 1) * self.b
+        # (η + v + 1)·B, plus gate_credit: groups the learner dropped as stale and replaced
+        assert st["capacity"] >= (self.eta + st["version"] + 1) * self.b
         if st["accepted"] + st["running"] > st["capacity"]:
             self.violations.append(st)
 
@@ -202,7 +203,8 @@ def test_gate_bound_across_os_processes(redis_server, redis_stream, eta, tmp_pat
                 p.wait()
     final = gate.state()
     assert mon.violations == [] and mon.samples > 20
-    assert final["running"] == 0 and final["accepted"] <= (eta + versions + 1) * b
+    # a stale drop hands its place back to the gate (the real learner reads a replacement)
+    assert final["running"] == 0 and final["accepted"] <= (eta + versions + 1) * b + dropped
     assert producers_seen == {f"proc{i}" for i in range(n_procs)}
     assert max(kept_staleness) <= eta
     assert buf.stats()["dropped"].get("stale", 0) == dropped == sum(x > eta for x in observed)
@@ -238,6 +240,24 @@ def test_slots_are_idempotent_and_freed_by_add_release_and_reap(redis_server, re
     buf.close()
 
 
+def test_a_dead_workers_slots_are_freed_and_counted_lost_in_flight(redis_server, redis_stream):
+    """What the launcher does before restarting rollout worker 1: its slots (w1-*) are freed, counted as
+    lost_in_flight; worker 1's accepted group and worker 11's slots are untouched."""
+    gate = StalenessGate(redis_server.url, stream=redis_stream, max_staleness=1, batch_size=4)
+    buf = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100)
+    for slot in ("w1-0", "w1-1", "w1-2", "w11-0", "w0-5"):
+        assert gate.try_acquire(slot)
+    assert buf.add_group(group("w1-0", 0))  # accepted before the worker died: not in flight
+    assert gate.state()["running"] == 4
+    assert gate.release_worker(1) == 2
+    assert gate.release_worker(1) == 0  # idempotent
+    assert gate.state() == {"version": 0, "accepted": 1, "running": 2, "capacity": 8}
+    assert buf.stats()["lost_in_flight"] == 2
+    assert gate.try_acquire("w1-3")  # the restarted worker gets slots again
+    gate.close()
+    buf.close()
+
+
 async def test_acquire_waits_for_the_learner_and_times_out_with_counters(redis_server, redis_stream):
     gate = StalenessGate(redis_server.url, stream=redis_stream, max_staleness=0, batch_size=1)
     buf = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100)
@@ -260,24 +280,28 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--produce"]:
     producer_main(url_, stream_, int(eta_), int(b_), int(stop_), name_, int(n_))
 
 
-def test_filtered_groups_hand_their_place_back_to_the_gate(redis_server, redis_stream):
-    """DAPO dynamic sampling: the learner drops an all-equal-reward group as `filtered` and reads one
-    more in its place; the drop credits the gate in the same ack, so the capacity grows by one and
-    the learner still consumes B entries per version net. Other drop reasons credit nothing."""
-    gate = StalenessGate(redis_server.url, stream=redis_stream, max_staleness=0, batch_size=2)
+def test_filtered_and_stale_groups_hand_their_place_back_to_the_gate(redis_server, redis_stream):
+    """The learner drops an all-equal-reward group as `filtered` (DAPO dynamic sampling) or a group
+    older than the consume-time limit as `stale`, and reads one more in its place; the drop credits
+    the gate in the same ack, so the capacity grows by one and every step trains B groups while the
+    learner still consumes B entries per version net. Other drop reasons credit nothing."""
+    gate = StalenessGate(redis_server.url, stream=redis_stream, max_staleness=0, batch_size=3)
     buf = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100)
-    for k in range(2):
+    for k in range(3):
         assert gate.try_acquire(f"s{k}")
         assert buf.add_group(group(f"s{k}", 0))
-    assert not gate.try_acquire("s2") and gate.state()["capacity"] == 2  # (η + v + 1)·B = 2, all taken
-    (e0, _), (e1, _) = buf.read(2, 100, "learner-0")
-    buf.drop([e0], "stale")  # a consume-time drop is one of the B entries: no credit
-    assert gate.state()["capacity"] == 2 and not gate.try_acquire("s2")
+    assert not gate.try_acquire("s3") and gate.state()["capacity"] == 3  # (η + v + 1)·B = 3, all taken
+    (e0, _), (e1, _), (e2, _) = buf.read(3, 100, "learner-0")
+    buf.drop([e0], "malformed")  # not replaced by the learner: no credit
+    assert gate.state()["capacity"] == 3 and not gate.try_acquire("s3")
     buf.drop([e1], "filtered")
     buf.drop([e1], "filtered")  # a retried ack counts once
-    assert gate.state()["capacity"] == 3
-    assert gate.try_acquire("s2")  # the replacement can be generated at the same version
-    assert not gate.try_acquire("s3")
-    assert buf.stats()["dropped"] == {"stale": 1, "filtered": 1}
+    assert gate.state()["capacity"] == 4
+    buf.drop([e2], "stale")
+    buf.drop([e2], "stale")
+    assert gate.state()["capacity"] == 5
+    assert gate.try_acquire("s3") and gate.try_acquire("s4")  # the replacements, at the same version
+    assert not gate.try_acquire("s5")
+    assert buf.stats()["dropped"] == {"malformed": 1, "stale": 1, "filtered": 1}
     gate.close()
     buf.close()

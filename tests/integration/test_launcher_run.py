@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,8 +80,8 @@ def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, worker
     assert 0 <= summary["max_staleness_observed"] <= eta, summary
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
-    # B entries per step: trained groups plus those the consume-time guard dropped (counted).
-    assert all(r["samples"] + 4 * r["dropped_stale"] == 2 * 4 for r in rows)
+    # B groups trained per step: fetch replaces every group the consume-time guard dropped (counted).
+    assert all(r["samples"] == 2 * 4 for r in rows)
     if eta == 0:
         assert all(r["dropped_stale"] == 0 for r in rows)
     assert all(0 <= r["staleness_max"] <= eta for r in rows)
@@ -94,26 +95,49 @@ def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, worker
     _assert_all_gone(run_dir)
 
 
-def test_dead_role_stops_the_run_and_names_it(tmp_path, demo_assets):
-    run_dir = tmp_path / "run"
-    proc = _launch(run_dir, demo_assets, "train.total_steps=1000")
-    deadline = time.monotonic() + 180
-    pids = None
+def _wait_for(pred, what: str, proc, timeout: float = 180):
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        p = run_dir / "metrics.jsonl"
-        if p.exists() and p.read_text().strip():
-            pids = json.loads((run_dir / "pids.json").read_text())["roles"]
-            break
+        got = pred()
+        if got:
+            return got
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.2)
-    assert pids, "the run never completed a step"
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_dead_rollout_worker_is_restarted_until_its_budget_then_the_run_stops(tmp_path, demo_assets):
+    """launcher.max_restarts.rollout=1: the first SIGKILL of rollout0 is survived (a new rollout0, its
+    slots freed); the second ends the run, naming the role, its exit code and the budget."""
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, demo_assets, "train.total_steps=1000", "launcher.max_restarts.rollout=1")
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "the first step", proc)
     _assert_every_role_serves_metrics(run_dir)
-    os.kill(pids["rollout0"], signal.SIGKILL)
+    first = json.loads((run_dir / "pids.json").read_text())["roles"]["rollout0"]
+    os.kill(first, signal.SIGKILL)
+
+    def restarted():
+        pid = json.loads((run_dir / "pids.json").read_text())["roles"]["rollout0"]
+        return pid if pid != first else None
+
+    second = _wait_for(restarted, "a new rollout0", proc)
+    steps_then = len(metrics.read_text().splitlines())
+    # the run goes on with the new worker: more steps are trained
+    _wait_for(lambda: len(metrics.read_text().splitlines()) >= steps_then + 3, "steps after the restart", proc)
+    os.kill(second, signal.SIGKILL)
     rc, out = _finish(proc, timeout=120)
     assert rc != 0
-    assert "rollout0" in out
+    assert "rollout0 exited with code -9: restarted" in out  # the first death, with its restart
+    assert "launcher.max_restarts.rollout=1" in out
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert "rollout0" in summary["exit_reason"]
+    assert "rollout0" in summary["exit_reason"] and "max_restarts.rollout" in summary["exit_reason"]
+    assert [(r["role"], r["exit_code"]) for r in summary["restarts"]] == [("rollout0", -9)]
+    assert summary["restart_counts"] == {"learner": 0, "server": 0, "rollout": 1, "redis": 0}
+    # the groups the dead worker had in flight are counted, not silently gone
+    lost = re.search(r"restarted; (\d+) group\(s\) it had in flight counted as lost_in_flight", out)
+    assert lost, out[-3000:]
+    assert summary["buffer"]["lost_in_flight"] == int(lost.group(1))
     _assert_all_gone(run_dir)
 
 

@@ -21,33 +21,15 @@ import sys
 import time
 
 import pytest
+from run_audit import buffer_accounting, effective_history
 
 pytestmark = pytest.mark.integration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _effective_history(trained_log: str) -> list[tuple[int, str]]:
-    """(step, group id) pairs in the final model, from trained.jsonl."""
-    incarnations: list[dict] = []
-    for line in open(trained_log):
-        ev = json.loads(line)
-        if ev["event"] == "start":
-            incarnations.append({"resumed_from": ev["resumed_from_step"], "steps": {}})
-        else:
-            incarnations[-1]["steps"][ev["step"]] = ev["groups"]
-    history = []
-    for i, inc in enumerate(incarnations):
-        upto = incarnations[i + 1]["resumed_from"] if i + 1 < len(incarnations) else float("inf")
-        for step, groups in sorted(inc["steps"].items()):
-            if step <= upto:
-                history += [(step, g) for g in groups]
-    return history
-
-
 def test_sigkilled_learner_trains_every_group_exactly_once(tmp_path, demo_assets):
     from areal_like.buffer.redis_server import RedisServer
-    from areal_like.buffer.replay_buffer import ReplayBuffer
 
     model, data = demo_assets
     run_dir = tmp_path / "run"
@@ -58,7 +40,7 @@ def test_sigkilled_learner_trains_every_group_exactly_once(tmp_path, demo_assets
         argv = [sys.executable, "-m", "launcher", "run", "--config", os.path.join(ROOT, "configs/demo.yaml"),
                 "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
                 f"buffer.redis_url={redis.url}", "train.total_steps=24", "train.batch_size=2", "generation.n=4",
-                "train.save_freq=1", f"launcher.max_learner_restarts={kills}", "weights.timeout_s=20"]
+                "train.save_freq=1", f"launcher.max_restarts.learner={kills}", "weights.timeout_s=20"]
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         rng = random.Random(1234)
@@ -93,20 +75,13 @@ def test_sigkilled_learner_trains_every_group_exactly_once(tmp_path, demo_assets
         assert proc.returncode == 0, out[-4000:]
         assert out.count("restarting the learner pool") == kills
 
-        history = _effective_history(str(run_dir / "trained.jsonl"))
+        history = effective_history(str(run_dir / "trained.jsonl"))
         trained = [g for _, g in history]
         assert len(trained) == len(set(trained)), "a group was trained twice"
         steps = sorted({s for s, _ in history})
         assert steps == list(range(1, 25)), steps  # every step exactly once in the final model
 
-        buf = ReplayBuffer(redis.url, stream="areal_like")
-        try:
-            stats = buf.stats()
-            keys = buf.endpoint.client.keys("{areal_like}:gid:*")
-            produced = {(k.decode() if isinstance(k, bytes) else k).split(":gid:", 1)[1] for k in keys}
-            waiting = {g.group_id for _, g in buf.read(10_000, block_ms=0, consumer="audit")}
-        finally:
-            buf.close()
+        produced, waiting, stats = buffer_accounting(redis.url)
         dropped = stats["dropped"]
         # Every produced group is trained, dropped by the stated policy, or still in the buffer.
         unaccounted = produced - set(trained) - waiting

@@ -40,3 +40,19 @@ def test_wrong_type_and_bad_values_name_the_setting():
         load_config(None, ["train.lr"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("no/such/file.yaml")
+
+
+def test_restart_budgets_per_role(tmp_path):
+    cfg = load_config(None, ["launcher.max_restarts.server=5", "train.save_freq=2"])
+    b = cfg.launcher.max_restarts
+    assert (b.learner, b.server, b.rollout, b.redis) == (0, 5, 3, 3)  # the others keep their defaults
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  save_freq: 1\nlauncher:\n  max_learner_restarts: 2\n  max_restarts:\n    redis: 0\n")
+    b = load_config(str(f)).launcher.max_restarts  # this project's earlier key still means the learner's budget
+    assert (b.learner, b.redis) == (2, 0)
+    with pytest.raises(ConfigError, match=r"launcher.max_restarts.rollout=-1: use 0"):
+        load_config(None, ["launcher.max_restarts.rollout=-1"])
+    with pytest.raises(ConfigError, match="launcher.max_restarts.learner needs checkpoints.*train.save_freq"):
+        load_config(None, ["launcher.max_restarts.learner=1", "train.save_freq=0"])
+    with pytest.raises(ConfigError, match="max_restarts"):
+        load_config(None, ["launcher.max_restarts.workers=1"])  # unknown role: named
