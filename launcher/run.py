@@ -28,8 +28,9 @@ import sys
 import time
 import urllib.request
 
-from launcher.procs import ProcessTable, Role, end_process_group, free_port
+from areal_like.api.net import free_port
 from areal_like.api.run_files import Endpoints
+from launcher.procs import ProcessTable, Role, end_process_group
 
 
 class RunError(RuntimeError):

@@ -47,13 +47,7 @@ def redis_stream(request) -> str:
 import pytest as _pytest_engine
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from areal_like.api.net import free_port  # noqa: E402,F401  (tests import it from here)
 
 
 @_pytest_engine.fixture(scope="session")

@@ -19,23 +19,17 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from areal_like.api.net import free_port
+
 log = logging.getLogger(__name__)
 
 REDIS_SERVER_BIN = "redis-server"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the caller retries if another process takes it first)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 20) -> str:

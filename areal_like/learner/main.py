@@ -42,6 +42,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from areal_like import metrics as M
 from areal_like.api.config import ExperimentConfig, decode_config
 from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics
@@ -120,6 +122,12 @@ class Coordinator:
             _log(f"recovered {len(self.redo)} entr(ies) read but not covered by a checkpoint: training them first")
         self.seen_restarts = self.buffer.restarts("server")
         self.pushed = (tensors, version)
+        held = (extra or {}).get("held_row")
+        if held is not None:  # the previous learner died before writing it (waiting for its validation)
+            self.held_row = msgspec.convert(json.loads(held), StepMetrics)
+            if self.evals is None:  # no validation any more (data.val_files unset on resume): write it as is
+                append_metrics(self.run_dir, self.held_row)
+                self.held_row = None
         resync = None
         try:
             await self.pusher.init()
@@ -250,7 +258,12 @@ class Coordinator:
         self.uncommitted = []
 
     def checkpoint_extra(self, step: int, version: int) -> dict:
-        return {"step": step, "version": version, "uncommitted": [list(p) for p in self.uncommitted]}
+        extra = {"step": step, "version": version, "uncommitted": [list(p) for p in self.uncommitted]}
+        if self.held_row is not None and self.held_row.step == step:
+            # waiting for its validation: a learner restarted from this checkpoint writes it with the results
+            # (as a JSON string: json keeps NaN statistics, msgspec's JSON would turn them into null)
+            extra["held_row"] = json.dumps(msgspec.to_builtins(self.held_row))
+        return extra
 
     # ---- validation ----------------------------------------------------------------------------------
     def maybe_request_eval(self, version: int, step: int) -> None:
@@ -394,11 +407,13 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         version += 1
         coord.published(step, version, batch)
         coord.maybe_request_eval(version, step)
+        # The row first, then the checkpoint: a checkpoint at step s implies s's row is written, or held
+        # for its validation inside the checkpoint (a restart resumed at s validates and writes it).
+        coord.report(step, version, stats, batch, push)
         if ckpt.save_freq == 0:
             coord.commit(step)  # no checkpoint to replay from: a restart starts over anyway
         elif ckpt.should_save(step) or step == cfg.train.total_steps:
             checkpoint_and_commit()
-        coord.report(step, version, stats, batch, push)
 
     await coord.collect_eval(stopping)  # the last validation, if one is running (none when stopping)
     if stopped and ckpt.save_freq > 0 and step > last_saved:

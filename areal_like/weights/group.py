@@ -81,14 +81,6 @@ def bound_listen_fd(host: str, port: int) -> int:
     return sock.detach()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the OS picks it): a re-formed weight group's store port."""
-    family, stype, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, stype, proto) as sock:
-        sock.bind(addr)
-        return sock.getsockname()[1]
-
-
 def init_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int,
                       group_name: str = "weight_update_group", backend: str = "gloo",
                       timeout_s: float = 300.0) -> WeightGroup:

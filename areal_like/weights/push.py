@@ -27,7 +27,8 @@ import torch
 
 from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
-from areal_like.weights.group import WeightGroup, free_port, init_weight_group
+from areal_like.api.net import free_port
+from areal_like.weights.group import WeightGroup, init_weight_group
 from areal_like.weights.receive import dtype_name
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,9 @@ learner from its checkpoint. Afterwards:
   * no group is trained twice in what the final model contains;
   * every group ever accepted is trained, dropped with a stated reason (counted), or still waiting;
     the groups the dead worker had in flight are counted as lost_in_flight (never accepted);
-  * summary.json lists the four restarts (validation runs every 5 steps meanwhile).
+  * summary.json lists the four restarts;
+  * validation ran every 5 steps, and each such step's row carries its results — also a step whose
+    learner died while its validation was pending (the row travels in the checkpoint).
 
 `AREAL_LIKE_CHAOS_SEED` picks another schedule (the issue's "5 runs in a row" were runs with seeds
 1–5; see the issue note).
@@ -108,3 +110,11 @@ def test_run_survives_sigkill_of_every_role(tmp_path, demo_assets):
     assert stats["lost_after_restart"] == 0, stats  # SIGKILL of Redis loses nothing it acknowledged
     # the restarted server was re-synced by the learner (re-formed group, current weights) before serving
     assert "re-formed the weight group" in (run_dir / "logs" / "learner.log").read_text(), context
+    # validation ran every 5 steps: each such step's last row (the one the final model's history keeps)
+    # carries its results, whatever was killed meanwhile
+    last_row = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        last_row[row["step"]] = row
+    missing = [s for s in range(5, STEPS + 1, 5) if "val/all/mean@4" not in last_row.get(s, {})]
+    assert not missing, (missing, context)
