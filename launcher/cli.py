@@ -1,4 +1,4 @@
-"""Command line: `launcher plan|run|status|stop`.
+"""Command line: `launcher plan|run|replay|status|stop`.
 
 Each sub-command lives in its own module; this file only parses arguments and dispatches, so that
 `launcher plan` never imports torch (the plan is pure and must answer instantly on a login node).
@@ -27,6 +27,16 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", default="local", choices=["local"], help="where roles run")
     run.add_argument("overrides", nargs="*", help="config overrides, a.b.c=value")
 
+    rep = sub.add_parser("replay", help="train the learner alone on a trajectory dump (rollout.dump_dir)")
+    rep.add_argument("--dump-dir", required=True, help="a run's rollout.dump_dir")
+    rep.add_argument("--run-dir", default=None,
+                     help="replay that run: its config.json and its step order (trained.jsonl)")
+    rep.add_argument("--config", default="configs/demo.yaml", help="YAML config (without --run-dir)")
+    rep.add_argument("--steps", type=int, default=None, help="replay only the first N steps")
+    rep.add_argument("--out", default=None, help="metrics rows per step (default DUMP_DIR/replay.jsonl)")
+    rep.add_argument("--device", default="cpu", help="torch device of the learner (cpu, cuda)")
+    rep.add_argument("overrides", nargs="*", help="config overrides, a.b.c=value (with --config)")
+
     status = sub.add_parser("status", help="show the state of a run from its run directory")
     status.add_argument("--run-dir", required=True)
 
@@ -53,6 +63,10 @@ def _dispatch(argv: list[str] | None) -> int:
         from launcher.run import cmd_run
 
         return cmd_run(args)
+    if args.command == "replay":
+        from launcher.replay import cmd_replay
+
+        return cmd_replay(args)
     if args.command == "status":
         from launcher.run import cmd_status
 

@@ -142,30 +142,36 @@ def demo_assets(tmp_path_factory) -> tuple[str, str]:
     return model, data
 
 
-@_pytest_engine.fixture
-def run_launcher(demo_assets):
-    """`run_launcher(run_dir, *overrides, allocation=…, timeout=300)` → (exit code, output): a real
-    `launcher run` of configs/demo.yaml on the demo assets, in its own session (killed on timeout)."""
+def launcher_cli(*argv: str, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+    """`launcher <argv…>` from the repository root in its own session (killed on timeout) →
+    (exit code, output); `env` is added to this process's environment."""
     import os
     import signal
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", *argv], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        _pytest_engine.fail(f"launcher {argv[0]} did not finish in {timeout}s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+@_pytest_engine.fixture
+def run_launcher(demo_assets):
+    """`run_launcher(run_dir, *overrides, allocation=…, timeout=300)` → (exit code, output): a real
+    `launcher run` of configs/demo.yaml on the demo assets, in its own session (killed on timeout)."""
     model, data = demo_assets
 
     def run(run_dir, *overrides: str, allocation: str = "embedded.d1p1t1+d1p1t1", timeout: float = 300):
-        argv = [sys.executable, "-m", "launcher", "run", "--config", os.path.join(root, "configs/demo.yaml"),
-                "--allocation", allocation, "--run-dir", str(run_dir), f"model.path={model}",
-                f"data.train_files=[{data}]", *overrides]
-        proc = subprocess.Popen(argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            _pytest_engine.fail(f"launcher run did not finish in {timeout}s:\n{out[-3000:]}")
-        return proc.returncode, out
+        return launcher_cli("run", "--config", "configs/demo.yaml", "--allocation", allocation, "--run-dir",
+                            str(run_dir), f"model.path={model}", f"data.train_files=[{data}]", *overrides,
+                            timeout=timeout)
 
     return run

@@ -25,7 +25,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 # Built-in `rollout.workflow` names; `areal_like.workflow.WORKFLOWS` maps each to its class (a test
 # keeps the two equal). Listed here so that a bad name fails at load without importing torch.
-WORKFLOW_NAMES: tuple[str, ...] = ("rlvr",)
+WORKFLOW_NAMES: tuple[str, ...] = ("rlvr", "multi_turn", "tool_agent", "openai_agent")
 
 
 class ModelConfig(_Section):
@@ -83,6 +83,26 @@ class GenerationConfig(_Section):
     """Token ids that end a sample besides the tokenizer's EOS."""
 
 
+class MultiTurnConfig(_Section):
+    max_assistant_turns: int = 4
+    """Most assistant turns (generations) per episode; the episode ends with finish reason `max_turns`."""
+    max_tokens_per_turn: int | None = None
+    """Most tokens one assistant turn may generate; None = generation.max_new_tokens."""
+    max_total_tokens: int | None = None
+    """Prompt + every turn + every tool result, in tokens; an episode that would pass it ends cleanly
+    with finish reason `context_limit`. None = server.max_context_len."""
+    max_tool_response_tokens: int = 256
+    """A tool result longer than this (tokens) is truncated before it is appended as an observation."""
+    export_style: Literal["concat", "individual"] = "concat"
+    """How an agent's completions through the OpenAI proxy become samples: `concat` = one token
+    sequence per episode when each completion's prompt extends the previous prompt + output (the
+    tokens in between get loss mask 0), else one sample per completion; `individual` = always one
+    sample per completion (AReaL's export styles)."""
+    turn_discount: float = 1.0
+    """An agent's episode reward reaches earlier completions discounted by this per turn (AReaL); 1 = the
+    same reward for every completion."""
+
+
 class RolloutConfig(_Section):
     max_staleness: int = 1
     """η: no group is started more than η policy versions ahead of the learner; 0 = synchronous RL.
@@ -94,8 +114,20 @@ class RolloutConfig(_Section):
     request_timeout_s: float = 120.0
     """Seconds one generation request may take; then it fails naming the server and the group is retried."""
     workflow: str = "rlvr"
-    """Workflow that turns one prompt into a group, by name: `rlvr` (single-turn RLVR). An unknown
-    name fails at config load."""
+    """Workflow that turns one prompt into a group: a built-in by name — `rlvr` (single-turn RLVR),
+    `multi_turn` (chat turns with feedback, no tools), `tool_agent` (multi-turn with tools from
+    `rollout.tools_config`), `openai_agent` (an `openai`-SDK tool agent through the worker's OpenAI-compatible
+    proxy) — or a user's file as `path/to/file.py:Name` (an episode workflow or an agent; README "Write your
+    own rollout"). A row's `agent_name` column, when present, overrides it per row."""
+    tools_config: str | None = None
+    """YAML file declaring the tools (verl's tool-config shape: `tools: [{class_name, config,
+    tool_schema}]`); needed by `tool_agent`. Per-row arguments come from `extra_info.tools_kwargs`."""
+    dump_dir: str | None = None
+    """Directory where every committed group is written as JSON lines (text, tokens, loss mask, versions,
+    reward, finish reason), one file per rollout worker; `launcher replay --dump-dir D` trains on it.
+    None = no dump."""
+    multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
+    """Limits of the multi-turn workflows (`multi_turn`, `tool_agent`, user agents)."""
 
 
 class ServerConfig(_Section):
@@ -279,6 +311,9 @@ class RewardShapingConfig(_Section):
     ramp the reward down by up to overlong_penalty_factor; 0 = off."""
     overlong_penalty_factor: float = 1.0
     """Largest reward reduction of the overlong ramp (DAPO's penalty factor), reached at max_new_tokens."""
+    format_score: float = 0.0
+    """Reward of a well-formed answer that is wrong (built-in gsm8k: an answer after `####`); verl's
+    default is 0.0, the seed recipes use 0.1."""
     max_failure_fraction: float = 0.5
     """A rollout worker stops the run (naming the reward function) when more than this fraction of its
     last `failure_window` scored samples failed (raised, timed out, NaN, not a number); 1 = never."""
@@ -402,9 +437,26 @@ class ExperimentConfig(_Section):
             raise ConfigError("train.batch_size (groups per step) must be ≥ 1: set train.batch_size=4")
         if self.rollout.workers < 1:
             raise ConfigError("rollout.workers must be ≥ 1")
-        if self.rollout.workflow not in WORKFLOW_NAMES:
-            raise ConfigError(f"rollout.workflow={self.rollout.workflow!r} is not a known workflow: use one of "
-                              f"{', '.join(WORKFLOW_NAMES)} (e.g. rollout.workflow=rlvr)")
+        wf = self.rollout.workflow
+        if ":" in wf:
+            path = wf.rsplit(":", 1)[0]
+            if not path.endswith(".py") or not os.path.isfile(path):
+                raise ConfigError(f"rollout.workflow={wf!r}: {path} is not a Python file (use path/to/file.py:Name "
+                                  f"or a built-in: {', '.join(WORKFLOW_NAMES)})")
+        elif wf not in WORKFLOW_NAMES:
+            raise ConfigError(f"rollout.workflow={wf!r} is not a known workflow: use one of "
+                              f"{', '.join(WORKFLOW_NAMES)}, or path/to/file.py:Name for your own")
+        if wf == "tool_agent" and not self.rollout.tools_config:
+            raise ConfigError("rollout.workflow=tool_agent needs tools: set rollout.tools_config=path/to/tools.yaml")
+        if self.rollout.tools_config is not None and not os.path.isfile(self.rollout.tools_config):
+            raise ConfigError(f"rollout.tools_config={self.rollout.tools_config} does not exist")
+        mt = self.rollout.multi_turn
+        if mt.max_assistant_turns < 1:
+            raise ConfigError("rollout.multi_turn.max_assistant_turns must be ≥ 1")
+        if not 0.0 < mt.turn_discount <= 1.0:
+            raise ConfigError(f"rollout.multi_turn.turn_discount={mt.turn_discount}: must be in (0, 1]")
+        if mt.max_tool_response_tokens < 1:
+            raise ConfigError("rollout.multi_turn.max_tool_response_tokens must be ≥ 1")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
         if self.launcher.max_restarts.learner > 0 and self.train.save_freq <= 0:

@@ -33,6 +33,25 @@ class PromptRecord:
     extra_info: dict[str, Any] = field(default_factory=dict)
     raw_prompt: Any = None
     """The `prompt` cell as read: a str or a list of {"role", "content"} dicts."""
+    row: dict[str, Any] = field(default_factory=dict)
+    """The whole parquet row, every column as read (what a workflow is given, verl-style)."""
+
+    @property
+    def agent_name(self) -> str | None:
+        """verl's per-row workflow choice: the `agent_name` column (or `extra_info.agent_name`); None = the config's."""
+        name = self.row.get("agent_name") or self.extra_info.get("agent_name")
+        return str(name) if name else None
+
+    @property
+    def tools_kwargs(self) -> dict[str, Any]:
+        """verl's per-row tool arguments, `{tool: {"create_kwargs": {…}, "execute_kwargs": {…}}}` (extra_info)."""
+        kw = self.extra_info.get("tools_kwargs", self.row.get("tools_kwargs"))
+        return dict(kw) if isinstance(kw, dict) else {}
+
+    @property
+    def interaction_kwargs(self) -> dict[str, Any]:
+        kw = self.extra_info.get("interaction_kwargs", self.row.get("interaction_kwargs"))
+        return dict(kw) if isinstance(kw, dict) else {}
 
 
 def _stem(path: str) -> str:
@@ -94,6 +113,7 @@ def read_verl_parquet(path: str, *, prompt_key: str = "prompt", where: str | Non
     rms = table.column("reward_model").to_pylist()
     sources = table.column("data_source").to_pylist() if "data_source" in cols else [""] * n
     extras = table.column("extra_info").to_pylist() if "extra_info" in cols else [None] * n
+    whole = table.to_pylist()
     rows = []
     for i in range(n):
         rm = rms[i]
@@ -106,6 +126,7 @@ def read_verl_parquet(path: str, *, prompt_key: str = "prompt", where: str | Non
             "data_source": sources[i] or "",
             "ground_truth": "" if gt is None else str(gt),
             "extra_info": dict(extras[i]) if isinstance(extras[i], dict) else {},
+            "row": whole[i],
         })
     return rows
 
@@ -140,7 +161,7 @@ class PromptDataset:
                 pid = f"{stem}:{idx}" if idx is not None else f"{stem}:row{row_idx}"
                 self.records.append(PromptRecord(prompt_id=pid, input_ids=ids, ground_truth=row["ground_truth"],
                                                  data_source=row["data_source"], extra_info=row["extra_info"],
-                                                 raw_prompt=raw))
+                                                 raw_prompt=raw, row=row["row"]))
         if self.num_dropped:
             logger.warning("dropped %d prompts longer than data.max_prompt_length=%d tokens (kept %d)",
                            self.num_dropped, max_prompt_length, len(self.records))

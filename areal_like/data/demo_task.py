@@ -99,35 +99,45 @@ def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train
     Any path may be None to skip it. The model is written to a temporary directory and
     renamed, so two launchers racing on first use never load a half-written model.
     """
-    if model_dir and not os.path.exists(os.path.join(model_dir, "config.json")):
-        import shutil
-        import tempfile
-
-        from areal_like.data.tiny_model import build_tiny_model
-
-        parent = os.path.dirname(os.path.abspath(model_dir))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tiny_model.", dir=parent)
-        try:
-            build_tiny_model(tmp, seed=seed, **DEMO_MODEL_KWARGS)
-            if os.path.isdir(model_dir) and not os.listdir(model_dir):
-                os.rmdir(model_dir)
-            try:
-                os.rename(tmp, model_dir)
-            except OSError:
-                if not os.path.exists(os.path.join(model_dir, "config.json")):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if model_dir:
+        ensure_tiny_model(model_dir, seed=seed)
     if train_file and not os.path.exists(train_file):
         build_demo_task(train_file, n_train=n_train, seed=seed)
     if val_file and not os.path.exists(val_file):
         build_demo_task(val_file, n_train=n_val, seed=val_seed, split="val")
 
 
+def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False) -> str:
+    """Build the tiny model (the demo's, or with `agent` the tool-use variant: JSON characters, tool-call
+    tokens, a chat template with tools) in `model_dir` unless it has one. Written to a temporary
+    directory and renamed, so two launchers racing on first use never load a half-written model."""
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        return model_dir
+    import shutil
+    import tempfile
+
+    from areal_like.data.tiny_model import build_tiny_model
+
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny_model.", dir=parent)
+    try:
+        build_tiny_model(tmp, seed=seed, agent=agent, **DEMO_MODEL_KWARGS)
+        if os.path.isdir(model_dir) and not os.listdir(model_dir):
+            os.rmdir(model_dir)
+        try:
+            os.rename(tmp, model_dir)
+        except OSError:
+            if not os.path.exists(os.path.join(model_dir, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
+
+
 # ---- demo names: the only paths the system builds itself ------------------------------------------
-DEMO_NAMES = {"demo:tiny-qwen2": "tiny-qwen2", "demo:next-digit": "next-digit-train.parquet",
-              "demo:next-digit-val": "next-digit-val.parquet"}
+DEMO_NAMES = {"demo:tiny-qwen2": "tiny-qwen2", "demo:tiny-agent": "tiny-agent",
+              "demo:next-digit": "next-digit-train.parquet", "demo:next-digit-val": "next-digit-val.parquet"}
 
 
 def demo_cache_dir() -> str:
@@ -143,6 +153,8 @@ def resolve_demo_name(name: str, key: str) -> str:
     path = os.path.join(demo_cache_dir(), DEMO_NAMES[name])
     if name == "demo:tiny-qwen2":
         ensure_demo_assets(path, None)
+    elif name == "demo:tiny-agent":
+        ensure_tiny_model(path, agent=True)
     elif name == "demo:next-digit":
         ensure_demo_assets(None, path)
     else:

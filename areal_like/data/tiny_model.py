@@ -26,19 +26,44 @@ CHAT_TEMPLATE = (
 )
 
 
-def char_vocab() -> dict[str, int]:
+# The agent variant (`build_char_tokenizer(dir, agent=True)`): JSON needs braces and quotes, and the
+# Hermes/Qwen tool-call markers are single (non-special) tokens, as in Qwen2.5's vocabulary, so that
+# `decode(skip_special_tokens=True)` keeps them and the tool-call parser sees them.
+AGENT_CHARSET = CHARSET + "{}\"'!;%&$@~^`\\\t"
+AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+AGENT_CHAT_TEMPLATE = (
+    "{% if tools %}#S:tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "({{ t['function']['parameters']['properties'] | list | join(',') }}){% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}#S:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}#U:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'tool' %}#T:<tool_response>{{ m['content'] }}</tool_response>\n"
+    "{% else %}#A:{{ m['content'] or '' }}"
+    "{% for tc in m.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ tc['function']['name'] }}\", \"arguments\": "
+    "{% if tc['function']['arguments'] is string %}{{ tc['function']['arguments'] }}"
+    "{% else %}{{ tc['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}<eos>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}#A:{% endif %}"
+)
+
+
+def char_vocab(charset: str = CHARSET) -> dict[str, int]:
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in CHARSET:
+    for ch in charset:
         vocab.setdefault(ch, len(vocab))
     return vocab
 
 
-def build_char_tokenizer(out_dir: str):
-    """Write a character-level fast tokenizer to `out_dir` and return it."""
+def build_char_tokenizer(out_dir: str, *, agent: bool = False):
+    """Write a character-level fast tokenizer to `out_dir` and return it. `agent=True`: the tool-use
+    variant (AGENT_CHARSET, tool-call marker tokens, a chat template rendering `tools` and `tool_calls`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = char_vocab()
+    vocab = char_vocab(AGENT_CHARSET if agent else CHARSET)
+    if agent:
+        for t in AGENT_TOKENS:
+            vocab[t] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Special tokens are matched whole first (added tokens), then every other character is one token.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -51,7 +76,11 @@ def build_char_tokenizer(out_dir: str):
         pad_token="<pad>",
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    if agent:
+        from tokenizers import AddedToken
+
+        fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in AGENT_TOKENS])
+    fast.chat_template = AGENT_CHAT_TEMPLATE if agent else CHAT_TEMPLATE
     os.makedirs(out_dir, exist_ok=True)
     fast.save_pretrained(out_dir)
     return fast
@@ -60,7 +89,7 @@ def build_char_tokenizer(out_dir: str):
 def build_tiny_model(
     out_dir: str,
     *,
-    arch: str = "qwen2",
+    arch: str | None = None,
     hidden_size: int = 64,
     intermediate_size: int = 128,
     num_layers: int = 2,
@@ -69,12 +98,19 @@ def build_tiny_model(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    agent: bool = False,
 ) -> str:
-    """Write a random tiny causal LM + char tokenizer to `out_dir` (HF layout, safetensors)."""
+    """Write a random tiny causal LM + char tokenizer to `out_dir` (HF layout, safetensors).
+
+    `arch` defaults to qwen2, and to llama for the agent variant: transformers 5 loads a qwen2
+    directory's tokenizer as `Qwen2Tokenizer`, which rebuilds a byte-level pre-tokenizer and drops the
+    char tokenizer's spaces and newlines (harmless for the digit-only demo, fatal for chat and JSON);
+    a llama directory loads the tokenizer file as written."""
+    arch = arch or ("llama" if agent else "qwen2")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tok = build_char_tokenizer(out_dir)
+    tok = build_char_tokenizer(out_dir, agent=agent)
     common = dict(
         vocab_size=len(tok),
         hidden_size=hidden_size,

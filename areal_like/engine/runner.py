@@ -173,6 +173,10 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
                                                           attn_implementation="sdpa").to(self.device).eval()
         self.config = self.model.config
+        # Qwen2-style models take masks per layer type (a dict skips their own mask building); others
+        # (Llama) return a prepared 4D mask as-is from create_causal_mask.
+        per_type = getattr(self.config, "layer_types", None) is not None
+        self._mask = (lambda m: {"full_attention": m}) if per_type else (lambda m: m)
         self.vocab_size = int(self.config.vocab_size)
         self.eos_token_ids = self._eos_ids()
         cfg = self.config
@@ -352,7 +356,7 @@ class ModelRunner:
         kv.mode, kv.n_rows, kv.pos_B, kv.kv_len = "decode", B, pos_B, kv_len
         mask_B11L = (torch.arange(kv_len, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
         out = self.model(input_ids=st["last_tok"][:B, None], position_ids=pos_B[:, None],
-                         attention_mask={"full_attention": mask_B11L}, past_key_values=kv, use_cache=True)
+                         attention_mask=self._mask(mask_B11L), past_key_values=kv, use_cache=True)
         logits_BV = out.logits[:, -1, :]
         pos_B = pos_B + 1  # where the sampled token sits
         res = self._sample(logits_BV, slice(0, B), pos_B, st["gen_count"][:B])
@@ -424,7 +428,7 @@ class ModelRunner:
         kv.dst_slots = torch.tensor(dst_slots, dtype=torch.long, device=dev)
         try:
             out = self.model(input_ids=ids_PT, position_ids=pos_PT,
-                             attention_mask={"full_attention": mask_P1TT[:, None]},
+                             attention_mask=self._mask(mask_P1TT[:, None]),
                              past_key_values=kv, use_cache=True, logits_to_keep=1)
         finally:
             kv.mode = "decode"

@@ -98,3 +98,11 @@ def set_val_metrics(results: dict[str, float]) -> None:
 def serve(port: int, host: str = "127.0.0.1") -> None:
     """Expose this process's metrics at http://host:port/metrics (a daemon thread)."""
     start_http_server(port, addr=host, registry=REGISTRY)
+
+
+# --- tools (agentic RLVR: areal_like/tools) ----------------------------------------------------
+TOOL_CALLS = Counter("areal_like_tool_calls", "Tool calls by tool (`_unknown` = a name no tool has) and outcome: "
+                     "ok, or the error kind (timeout, exception, bad_arguments, unknown_tool, refused, memory, "
+                     "cpu, output_limit, process_limit, network, …)", ["tool", "outcome"], registry=REGISTRY)
+TOOL_SECONDS = Histogram("areal_like_tool_call_seconds", "Seconds of one tool call, by tool", ["tool"],
+                         buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=REGISTRY)

@@ -1,19 +1,49 @@
 """Verifiable rewards: built-ins keyed by data_source, a user's custom function, and `RewardFn`
-(timeouts, process isolation for custom functions). See fn.py for what runs where."""
+(timeouts and a pool of worker processes for every built-in but the demo's and for custom functions).
+See fn.py for what runs where and builtin.py for the data_source table.
 
-from areal_like.reward.builtin import (
-    BUILTIN_REWARDS,
-    default_compute_score,
-    exact_match_score,
-    gsm8k_compute_score,
-    gsm8k_extract,
-    last_boxed,
-    math_compute_score,
-)
-from areal_like.reward.custom import load_custom_reward, to_score
-from areal_like.reward.fn import RewardFn
+The names below are imported on first use (PEP 562): a reward worker process imports
+`areal_like.reward.builtin` alone, and must not pay for fn.py's imports (Redis client, numpy,
+Prometheus — ~0.4 s) at every start.
+"""
 
-__all__ = [
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "BUILTIN_REWARDS": "builtin", "default_compute_score": "builtin", "exact_match_score": "builtin",
+    "gsm8k_compute_score": "builtin", "gsm8k_extract": "builtin",
+    "last_boxed": "math_score", "math_compute_score": "math_score",
+    "qa_em_score": "qa", "qa_f1_score": "qa",
+    "load_custom_reward": "custom", "to_score": "custom",
+    "RewardFn": "fn",
+}
+
+__all__ = [  # literal, for linters; a test checks it equals _EXPORTS
     "BUILTIN_REWARDS", "RewardFn", "default_compute_score", "exact_match_score", "gsm8k_compute_score",
-    "gsm8k_extract", "last_boxed", "load_custom_reward", "math_compute_score", "to_score",
+    "gsm8k_extract", "last_boxed", "load_custom_reward", "math_compute_score", "qa_em_score", "qa_f1_score",
+    "to_score",
 ]
+
+if TYPE_CHECKING:
+    from areal_like.reward.builtin import (
+        BUILTIN_REWARDS, default_compute_score, exact_match_score, gsm8k_compute_score, gsm8k_extract)
+    from areal_like.reward.custom import load_custom_reward, to_score
+    from areal_like.reward.fn import RewardFn
+    from areal_like.reward.math_score import last_boxed, math_compute_score
+    from areal_like.reward.qa import qa_em_score, qa_f1_score
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_like.reward' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"areal_like.reward.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

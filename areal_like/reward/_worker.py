@@ -1,23 +1,54 @@
-"""Reward worker process: `python _worker.py PATH NAME`; scores requests read from stdin.
+"""Reward worker process; scores requests read from stdin.
+
+    python _worker.py PATH NAME               a user's function: NAME in the file PATH
+    python _worker.py --builtin FORMAT_SCORE  the built-ins: areal_like.reward.builtin.default_compute_score
+                                              with format_score=FORMAT_SCORE (reward.format_score)
 
 Frames both ways: 4-byte little-endian length + msgpack (no pickle crosses the process boundary).
 Request  [data_source, solution_str, ground_truth, extra_info]
 Reply    {"ok": true, "score": float}
        | {"ok": false, "kind": "exception" | "non_finite" | "not_a_number", "error": "<message or traceback>"}
-         (exception: the user's function raised — "error" is its traceback, this file's frame left out;
+         (exception: the function raised — "error" is its traceback, this file's frame left out;
           the other kinds: what it returned could not be used as a score — see custom.to_score)
 First frame sent is a hello: {"ok": true, "ready": true} or {"ok": false, "error": ...} if loading failed.
 
-This file imports nothing of areal_like at module level so it starts fast and from any directory.
+A user's function: this file imports nothing of areal_like so it starts fast and from any directory
+(custom.py is loaded by file location). The built-ins import `areal_like.reward.builtin` (the parent
+puts the package root on PYTHONPATH; areal_like.reward's __init__ is lazy, so fn.py's imports are not
+paid here) and math-verify, before the hello. Timeouts are the parent's job: it kills this process.
 """
 
 import os
 import sys
 import traceback
 
+# `python _worker.py` puts this folder first on sys.path, where code.py, qa.py, … would shadow the
+# stdlib's and third-party modules of the same name (stdlib `code`, for one) for every import below
+# and for the user's function.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
+    del sys.path[0]
+
+
+def _load(argv: list[str]):
+    """The scoring function and to_score; raises what the parent reports as a load failure."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_areal_like_reward_custom", os.path.join(_HERE, "custom.py"))
+    custom = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(custom)
+    if argv[0] == "--builtin":
+        import functools
+
+        from areal_like.reward.builtin import default_compute_score
+        from areal_like.reward.math_score import load_math_verify
+
+        load_math_verify()  # sympy's ~0.6 s import here, not inside the first math call's timeout
+        return functools.partial(default_compute_score, format_score=float(argv[1])), custom.to_score
+    return custom.load_custom_reward(argv[0], argv[1]), custom.to_score
+
 
 def main() -> None:
-    path, name = sys.argv[1], sys.argv[2]
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # the user's print() goes to stderr, never into the reply stream
     sys.stdout = sys.stderr
@@ -31,18 +62,8 @@ def main() -> None:
         data = enc.encode(obj)
         out.write(len(data).to_bytes(4, "little") + data)
 
-    # custom.py by file location: importing the areal_like package here would pull in torch-free but
-    # heavier modules (metrics, builtins) and slow every worker start.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "_areal_like_reward_custom", os.path.join(os.path.dirname(os.path.abspath(__file__)), "custom.py"))
-    custom = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(custom)
-    load_custom_reward, to_score = custom.load_custom_reward, custom.to_score
-
     try:
-        fn = load_custom_reward(path, name)
+        fn, to_score = _load(sys.argv[1:3])
     except Exception as e:  # reported to the parent, which raises it with the path and name
         send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
@@ -66,7 +87,7 @@ def main() -> None:
 
 
 def _traceback(e: BaseException, max_chars: int = 6000) -> str:
-    """The user's traceback, without this file's frame (the call into the user's function)."""
+    """The function's traceback, without this file's frame (the call into it)."""
     tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
     text = "".join(traceback.format_exception(type(e), e, tb)).rstrip()
     return text if len(text) <= max_chars else "…" + text[-max_chars:]

@@ -1,14 +1,34 @@
 """Built-in verifiable rewards keyed by `data_source`, like verl's `default_compute_score`.
 
-    openai/gsm8k                         → gsm8k (answer after "####"; strict like verl, flexible = last number)
-    lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, math
-                                         → math (last \\boxed{…}, light normalisation, numeric equality)
-    exact, exact_match                   → exact match after stripping whitespace
-    areal_like/demo                      → the demo task's scorer (areal_like/data/demo_task.py)
-    anything else                        → exact match, with a warning once per data_source
+    data_source                               scorer (module)        score
+    openai/gsm8k, gsm8k                       gsm8k (here)           1 if the number after the last "#### " is
+                                                                     right; reward.format_score if "#### <number>"
+                                                                     is there but wrong; 0 without "####"
+    lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
+    HuggingFaceH4/MATH-500, math              math (math_score.py)   1 if the last \\boxed{…} is equivalent to
+                                                                     the ground truth under math-verify, else 0
+    math_dapo, math_dapo_reasoning, aime*     math (math_score.py)   as math; the answer may also be the text
+                                                                     after the last "Answer:" (DAPO's format).
+                                                                     0/1, not verl's math_dapo ±1
+    searchR1_nq, searchR1_triviaqa, searchR1_popqa, searchR1_hotpotqa, searchR1_2wikimultihopqa,
+    searchR1_musique, searchR1_bamboogle, nq, triviaqa, popqa, hotpotqa, qa_em
+                                              QA exact match (qa.py) 1 if the last <answer>…</answer> (else the
+                                                                     whole completion) matches a target after
+                                                                     SQuAD normalisation; reward.format_score if
+                                                                     <answer> is there but wrong; else 0
+    qa_f1                                     QA token F1 (qa.py)    best SQuAD F1 over the targets, in [0, 1]
+    code, codecontests, apps, codeforces,
+    taco, primeintellect                      code (code.py)         code_compute_score(solution_str,
+                                                                     ground_truth, extra_info): unit tests run
+                                                                     in a sandbox (float or {"score": …})
+    exact, exact_match                        exact (here)           1 if equal after stripping whitespace
+    areal_like/demo                           demo (data/demo_task)  1 / 0.5 / 0 (see demo_task.py)
+    anything else                             exact (here)           as exact, with a warning once per source
 
-All are pure functions on short strings (inputs are clipped), so they run in the rollout
-worker's own process; only a user's custom function runs in isolated worker processes (fn.py).
+Where they run is fn.py's business: every built-in but the demo's runs in RewardFn's pool of reward
+worker processes under `custom_reward_function.timeout_s`, like a user's function (math-verify and
+code execution can take arbitrarily long). Nothing here knows about processes or timeouts; scorers
+are plain functions `(solution_str, ground_truth, extra_info, format_score) -> float | dict`.
 """
 
 from __future__ import annotations
@@ -18,8 +38,15 @@ import re
 from typing import Any, Callable
 
 from areal_like.data.demo_task import DEMO_DATA_SOURCE, demo_compute_score
+from areal_like.reward.math_score import last_boxed, math_compute_score
+from areal_like.reward.qa import qa_em_score, qa_f1_score
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BUILTIN_REWARDS", "CODE_DATA_SOURCES", "builtin_scorer", "default_compute_score", "exact_match_score",
+    "gsm8k_compute_score", "gsm8k_extract", "last_boxed", "math_compute_score",
+]
 
 # Regexes on very long completions are slow; the answer is at the end (verl clips to 300 chars too).
 _CLIP_CHARS = 300
@@ -54,92 +81,80 @@ def _num_equal(a: str, b: str) -> bool:
 
 def gsm8k_compute_score(solution_str: str, ground_truth: str, method: str = "strict",
                         format_score: float = 0.0, score: float = 1.0) -> float:
+    """verl's gsm8k scorer: `score` if right, `format_score` if an answer was extracted but is wrong."""
     ans = gsm8k_extract(solution_str, method)
     if ans is None:
         return 0.0
     return score if _num_equal(ans, str(ground_truth).replace(",", "")) else format_score
 
 
-def last_boxed(s: str) -> str | None:
-    """Content of the last \\boxed{…} (or \\fbox{…}, or "\\boxed x"), braces matched; None if absent."""
-    idx = max(s.rfind("\\boxed"), s.rfind("\\fbox"))
-    if idx < 0:
-        return None
-    rest = s[idx:]
-    if rest.startswith("\\boxed ") and "{" not in rest.split(" ", 1)[1][:1]:
-        return rest[len("\\boxed "):].split("$")[0].strip()
-    start = rest.find("{")
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start, len(rest)):
-        if rest[i] == "{":
-            depth += 1
-        elif rest[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return rest[start + 1:i]
-    return None
-
-
-_TEXT = re.compile(r"\\text\{([^{}]*)\}")
-_FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
-
-
-def normalize_math(s: str) -> str:
-    """Light normalisation (a subset of verl's/Hendrycks' strip_string): enough for short answers."""
-    s = s.strip().replace("\n", "").rstrip(".")
-    s = s.replace("\\!", "").replace("\\left", "").replace("\\right", "")
-    s = s.replace("dfrac", "frac").replace("tfrac", "frac")
-    s = s.replace("^\\circ", "").replace("^{\\circ}", "").replace("\\%", "").replace("%", "").replace("$", "")
-    s = _TEXT.sub(r"\1", s)
-    s = s.replace(" ", "")
-    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
-    if s.startswith("0.") is False and s.startswith("."):
-        s = "0" + s
-    if re.fullmatch(r"[a-zA-Z]=.+", s):  # "x=5" → "5"
-        s = s.split("=", 1)[1]
-    return s
-
-
-def math_compute_score(solution_str: str, ground_truth: str) -> float:
-    pred = last_boxed(solution_str[-_CLIP_CHARS * 4:])
-    if pred is None:
-        return 0.0
-    gt = last_boxed(ground_truth) or ground_truth
-    a, b = normalize_math(pred), normalize_math(gt)
-    return 1.0 if a == b or _num_equal(a, b) else 0.0
-
-
 def exact_match_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
 
 
-ScoreFn = Callable[[str, str, "dict[str, Any] | None"], float]
+def code_score(solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None) -> Any:
+    # Imported on use: the sandbox module is optional for every other data source (and heavier).
+    from areal_like.reward.code import code_compute_score
+
+    return code_compute_score(solution_str, ground_truth, extra_info)
+
+
+ScoreFn = Callable[[str, Any, "dict[str, Any] | None", float], Any]
+"""(solution_str, ground_truth, extra_info, format_score) -> float, or a dict with "score"."""
+
+_GSM8K: ScoreFn = lambda s, gt, ei, fs: gsm8k_compute_score(s, gt, format_score=fs)
+_MATH: ScoreFn = lambda s, gt, ei, fs: math_compute_score(s, gt)
+_MATH_DAPO: ScoreFn = lambda s, gt, ei, fs: math_compute_score(s, gt, allow_answer_line=True)
+_QA_EM: ScoreFn = lambda s, gt, ei, fs: qa_em_score(s, gt, format_score=fs)
+_QA_F1: ScoreFn = lambda s, gt, ei, fs: qa_f1_score(s, gt)
+_CODE: ScoreFn = lambda s, gt, ei, fs: code_score(s, gt, ei)
+_EXACT: ScoreFn = lambda s, gt, ei, fs: exact_match_score(s, gt)
+
+CODE_DATA_SOURCES = ("code", "codecontests", "apps", "codeforces", "taco", "primeintellect")
+_QA_EM_SOURCES = ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
+                  "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle",
+                  "nq", "triviaqa", "popqa", "hotpotqa", "qa_em")
 
 BUILTIN_REWARDS: dict[str, ScoreFn] = {
-    "openai/gsm8k": lambda s, gt, ei: gsm8k_compute_score(s, gt),
-    "gsm8k": lambda s, gt, ei: gsm8k_compute_score(s, gt),
-    "lighteval/MATH": lambda s, gt, ei: math_compute_score(s, gt),
-    "DigitalLearningGmbH/MATH-lighteval": lambda s, gt, ei: math_compute_score(s, gt),
-    "HuggingFaceH4/MATH-500": lambda s, gt, ei: math_compute_score(s, gt),
-    "math": lambda s, gt, ei: math_compute_score(s, gt),
-    "exact": lambda s, gt, ei: exact_match_score(s, gt),
-    "exact_match": lambda s, gt, ei: exact_match_score(s, gt),
-    DEMO_DATA_SOURCE: lambda s, gt, ei: demo_compute_score(s, gt),
+    "openai/gsm8k": _GSM8K,
+    "gsm8k": _GSM8K,
+    "lighteval/MATH": _MATH,
+    "DigitalLearningGmbH/MATH-lighteval": _MATH,
+    "HuggingFaceH4/MATH-500": _MATH,
+    "math": _MATH,
+    "math_dapo": _MATH_DAPO,
+    "math_dapo_reasoning": _MATH_DAPO,
+    **dict.fromkeys(_QA_EM_SOURCES, _QA_EM),
+    "qa_f1": _QA_F1,
+    **dict.fromkeys(CODE_DATA_SOURCES, _CODE),
+    "exact": _EXACT,
+    "exact_match": _EXACT,
+    DEMO_DATA_SOURCE: lambda s, gt, ei, fs: demo_compute_score(s, gt),
 }
+"""Exact data_source names; `builtin_scorer` adds the "aime*" prefix (verl: aime24, aime2025, …)."""
+
+
+def builtin_scorer(data_source: str) -> ScoreFn | None:
+    """The scorer of a data_source, or None (the caller falls back to exact match)."""
+    fn = BUILTIN_REWARDS.get(data_source)
+    if fn is None and data_source.startswith("aime"):
+        fn = _MATH_DAPO
+    return fn
+
 
 _warned_sources: set[str] = set()
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: str,
-                          extra_info: dict[str, Any] | None = None) -> float:
-    """verl's signature; unknown data sources fall back to exact match (warned once per source)."""
-    fn = BUILTIN_REWARDS.get(data_source)
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any,
+                          extra_info: dict[str, Any] | None = None, *, format_score: float = 0.0) -> Any:
+    """verl's signature (plus `format_score`, from reward.format_score); a float, or a dict with
+    "score" (the code scorer may return one). Unknown data sources fall back to exact match (warned
+    once per source and process)."""
+    fn = builtin_scorer(data_source)
     if fn is None:
         if data_source not in _warned_sources:
             _warned_sources.add(data_source)
             logger.warning("no built-in reward for data_source %r: using exact match; set "
                            "custom_reward_function.path to score it your way", data_source)
         return exact_match_score(solution_str, ground_truth)
-    return float(fn(solution_str, ground_truth, extra_info))
+    return fn(solution_str, ground_truth, extra_info, format_score)

@@ -1,15 +1,28 @@
 """`RewardFn`: score completions without ever stalling rollout, and count every failure.
 
-Two paths, decided by where the function comes from:
-- Built-ins (no `custom_reward_function.path`): pure functions on clipped strings, called inline in
-  the rollout worker's event loop (microseconds; a process hop would cost ~100× more than the score).
-- A user's function: runs in a pool of `num_workers` worker *processes* (`_worker.py`, started with
-  `asyncio.create_subprocess_exec`, msgpack frames over stdin/stdout — no pickle); calls run
-  concurrently up to the pool size. A call that exceeds `timeout_s` scores 0.0 and its worker is
-  killed (by its own PID) and replaced: a hung Python function cannot be interrupted inside a
-  thread, only a process can be ended. A call that waits longer than `timeout_s` for a free worker
-  (every worker busy, e.g. all hung) also scores 0.0 as a timeout, so a group's rewards are done
-  within ~2 × timeout_s whatever the function does — a hung reward never stalls a step.
+Where a call runs:
+- Every call, built-in or a user's function, runs in a pool of `custom_reward_function.num_workers`
+  worker *processes* (`_worker.py`, started with `asyncio.create_subprocess_exec`, msgpack frames over
+  stdin/stdout — no pickle) under `custom_reward_function.timeout_s`; calls run concurrently up to
+  the pool size. The pool's workers run the user's function (`custom_reward_function.path`) or,
+  without one, the built-in dispatcher (builtin.py's `default_compute_score`, told
+  `reward.format_score`). Built-ins need it as much as user code: math-verify's sympy can grind for
+  minutes on an answer like `\\boxed{9^{9^{9}}}`, and the code scorer runs the model's programs.
+- One exception: the demo task's built-in (`INLINE_SOURCES`, data_source "areal_like/demo") runs
+  inline in the event loop. It is a comparison of two stripped strings that cannot hang or raise;
+  inline it costs ~1 µs a call against ~0.1–0.2 ms for the process hop (measured on a 2-CPU box:
+  gsm8k 125 µs sequential, 80 µs with 2 workers busy, vs 1.2 µs inline), and its runs (2-CPU boxes,
+  the tests) need no extra interpreters (~0.5 s and ~60 MB each, math-verify's sympy included).
+  Calls are not batched: a batch would share one timeout, so one hung sample would zero the rest,
+  and ~0.1 ms is small next to generating the sample. A custom function, when set, scores the demo
+  source too.
+
+A call that exceeds `timeout_s` scores 0.0 and its worker is killed (SIGKILL, its own PID: whatever it
+started itself, e.g. a code sandbox, must bound its own lifetime) and replaced: a hung Python function
+cannot be interrupted inside a thread, only a process can be ended. A call that waits longer than
+`timeout_s` for a free worker (every worker busy, e.g. all hung) also scores 0.0 as a timeout, so a
+group's rewards are done within ~2 × timeout_s whatever the function does — a hung reward never
+stalls a step.
 
 Every failure scores 0.0 and is counted by kind (`FAILURE_KINDS`): `exception` (the function raised,
 its worker died or could not start), `timeout`, `non_finite` (NaN/±inf), `not_a_number` (a string,
@@ -28,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import sys
 import time
@@ -39,6 +53,7 @@ import msgspec
 from areal_like.api.config import RewardFunctionConfig, RewardShapingConfig
 from areal_like.buffer.scripts import REWARD_FAILURE_KINDS
 from areal_like.metrics import REWARD_FAILURES, REWARD_TIMEOUTS
+from areal_like.data.demo_task import DEMO_DATA_SOURCE
 from areal_like.reward.builtin import default_compute_score
 from areal_like.reward.custom import load_custom_reward, to_score
 
@@ -53,6 +68,9 @@ _ENC = msgspec.msgpack.Encoder(enc_hook=str)  # extra_info may hold odd types; t
 _DEC = msgspec.msgpack.Decoder()
 _LOG_EVERY_S = 10.0
 
+INLINE_SOURCES = frozenset({DEMO_DATA_SOURCE})
+"""Built-in data sources scored in the event loop, not in a worker (see the module doc for why)."""
+
 
 class _Worker:
     """One reward process; serves one call at a time."""
@@ -61,25 +79,28 @@ class _Worker:
         self.proc = proc
 
     @classmethod
-    async def start(cls, path: str, name: str, start_timeout_s: float) -> "_Worker":
+    async def start(cls, argv: list[str], label: str, start_timeout_s: float) -> "_Worker":
+        """`python _worker.py *argv`; `label` names the function in errors."""
         env = dict(os.environ)
         env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        # Not a new session: the worker stays in this process's group, which the launcher ends as a
+        # whole when it stops or restarts this role — a hung reward worker must not outlive it.
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-u", _WORKER, path, name,
+            sys.executable, "-u", _WORKER, *argv,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
         w = cls(proc)
         try:
             hello = await asyncio.wait_for(w._recv(), start_timeout_s)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
             await w.kill()
-            raise RuntimeError(f"reward worker for {path}:{name} did not start within {start_timeout_s}s "
+            raise RuntimeError(f"reward worker for {label} did not start within {start_timeout_s}s "
                                f"({type(e).__name__}, exit code {proc.returncode})") from None
         except BaseException:  # cancelled while starting: never leave the process behind
             await asyncio.shield(w.kill())
             raise
         if not hello.get("ok"):
             await w.kill()
-            raise RuntimeError(f"custom_reward_function {path}:{name} failed to load in the worker: {hello.get('error')}")
+            raise RuntimeError(f"reward function {label} failed to load in the worker: {hello.get('error')}")
         return w
 
     async def _recv(self) -> dict[str, Any]:
@@ -105,10 +126,12 @@ class _Worker:
 
 class RewardFn:
     """`await reward_fn.score(data_source, solution_str, ground_truth, extra_info) -> float` (never raises
-    for a failure of the function: it scores 0.0 and is counted)."""
+    for a failure of the function: it scores 0.0 and is counted). `path=None`: the built-ins, with
+    `format_score` (reward.format_score) for a well-formed wrong answer (gsm8k, QA exact match)."""
 
     def __init__(self, path: "str | RewardFunctionConfig | None" = None, name: str = "compute_score", *,
                  timeout_s: float = 10.0, num_workers: int = 4, start_timeout_s: float = 60.0,
+                 format_score: float = 0.0,
                  max_failure_fraction: float = 1.0, failure_window: int = 256,
                  on_failure: Callable[[str, str, bool], None] | None = None,
                  on_limit: Callable[[str], None] | None = None):
@@ -122,7 +145,11 @@ class RewardFn:
             raise ValueError(f"reward.max_failure_fraction={max_failure_fraction} must be in [0, 1] (1 = never stop)")
         if failure_window < 1:
             raise ValueError(f"reward.failure_window={failure_window} must be ≥ 1")
+        if not math.isfinite(format_score):
+            raise ValueError(f"reward.format_score={format_score} must be a finite number")
         self.path, self.name = path, name
+        self.format_score = float(format_score)
+        """Built-ins only (a custom function scores format itself)."""
         self.timeout_s = timeout_s
         self.num_workers = num_workers
         self.start_timeout_s = start_timeout_s
@@ -156,16 +183,22 @@ class RewardFn:
     def from_config(cls, cfg: RewardFunctionConfig, shaping: RewardShapingConfig | None = None,
                     **kw: Any) -> "RewardFn":
         """From `custom_reward_function.*` (path, name, timeout_s, num_workers) and `reward.*`
-        (max_failure_fraction, failure_window)."""
+        (format_score, max_failure_fraction, failure_window)."""
         if shaping is not None:
+            kw.setdefault("format_score", shaping.format_score)
             kw.setdefault("max_failure_fraction", shaping.max_failure_fraction)
             kw.setdefault("failure_window", shaping.failure_window)
         return cls(cfg, **kw)
 
-    @property
-    def isolated(self) -> bool:
-        """True when calls run in worker processes (a custom function), False for inline built-ins."""
-        return self.path is not None
+    def runs_inline(self, data_source: str) -> bool:
+        """True when a call for `data_source` runs in the event loop (`INLINE_SOURCES`, built-ins only),
+        False when it runs in a worker process."""
+        return self.path is None and data_source in INLINE_SOURCES
+
+    def _worker_argv(self) -> list[str]:
+        if self.path is None:
+            return ["--builtin", repr(self.format_score)]
+        return [self.path, self.name]
 
     @property
     def label(self) -> str:
@@ -177,9 +210,10 @@ class RewardFn:
                     extra_info: dict[str, Any] | None = None) -> float:
         if self._closed:
             raise RuntimeError("RewardFn.score after close()")
-        if self.path is None:
+        if self.runs_inline(data_source):
             try:
-                value = default_compute_score(data_source, solution_str, ground_truth, extra_info)
+                value = default_compute_score(data_source, solution_str, ground_truth, extra_info,
+                                              format_score=self.format_score)
             except Exception as e:  # a built-in must not kill a rollout either
                 import traceback
 
@@ -204,7 +238,7 @@ class RewardFn:
         try:
             if not self._idle.empty():
                 return self._idle.get_nowait()
-            w = await _Worker.start(self.path, self.name, self.start_timeout_s)  # type: ignore[arg-type]
+            w = await _Worker.start(self._worker_argv(), self.label, self.start_timeout_s)
             self._workers.add(w)
             return w
         except RuntimeError as e:  # the worker did not start: a failure of this call, not of the rollout

@@ -107,22 +107,38 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
 
     async with GenerationClient(endpoints.servers, request_timeout_s=cfg.rollout.request_timeout_s,
                                 api_key=cfg.server.api_key) as client:
-        from areal_like.workflow import get_workflow_class  # rollout.workflow → class (validated at load)
+        from areal_like.rollout.dump import DumpWriter
+        from areal_like.workflow import WorkflowRunner, group_info
 
-        workflow = get_workflow_class(cfg.rollout.workflow)(client, reward_fn, cfg.generation, tokenizer,
-                                                            producer=f"rollout{index}", seed=cfg.seed)
+        tools = None
+        if cfg.rollout.tools_config:
+            from areal_like.tools import ToolSet
+
+            tools = ToolSet.from_config(cfg.rollout.tools_config)
+            _log(index, f"tools from rollout.tools_config={cfg.rollout.tools_config}: {', '.join(tools.names)}")
+        # rollout.workflow (built-in name or path/to/file.py:Name) and every row's agent_name, resolved now:
+        # a bad file or name fails at start, naming the key or the row.
+        workflow = WorkflowRunner(cfg, client, reward_fn, tokenizer, producer=f"rollout{index}", tools=tools)
+        per_row = workflow.check_rows(dataset.records)
+        _log(index, f"workflow {cfg.rollout.workflow}" + (f"; rows also use {', '.join(per_row)}" if per_row else ""))
+        dump = DumpWriter(cfg.rollout.dump_dir, index, tokenizer) if cfg.rollout.dump_dir else None
 
         async def one(record, group_id: str) -> None:
             accepted = False
             try:
                 group = await workflow.run_group(record, group_id)
-                if group is not None:
+                if group is None:
+                    M.ROLLOUT_GROUPS.labels("skipped").inc()
+                else:
                     # Accepting frees this group's gate slot in the same atomic script.
                     accepted = await buffer.add_group_async(group)
                     M.ROLLOUT_GROUPS.labels("accepted" if accepted else "duplicate").inc()
                     M.ROLLOUT_SAMPLES.inc(len(group.trajectories))
                     for t in group.trajectories:
                         M.ROLLOUT_REWARD.observe(t.reward)
+                    if dump is not None and accepted:
+                        dump.write(group, group_info.pop(group_id, None))
+                    group_info.pop(group_id, None)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one failed group must not end the worker: free the slot, retry the prompt
@@ -186,6 +202,9 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
         if eval_task is not None:
             eval_task.cancel()
         await asyncio.gather(*inflight, *([eval_task] if eval_task is not None else []), return_exceptions=True)
+        await workflow.close()
+        if dump is not None:
+            dump.close()
     await reward_fn.close()
     stop.set()
     await asyncio.gather(report_task, return_exceptions=True)  # its last flush: every failure counted

@@ -69,8 +69,10 @@ def test_custom_loader_errors(tmp_path):
         RewardFn(p, "nope")
     from areal_like.api.config import RewardFunctionConfig
     fn = RewardFn(RewardFunctionConfig(path=p, timeout_s=3.0))
-    assert (fn.path, fn.name, fn.timeout_s, fn.isolated) == (p, "compute_score", 3.0, True)
-    assert not RewardFn(RewardFunctionConfig()).isolated
+    assert (fn.path, fn.name, fn.timeout_s) == (p, "compute_score", 3.0)
+    assert not fn.runs_inline("areal_like/demo")  # a custom function scores every source, in the pool
+    builtin = RewardFn(RewardFunctionConfig())
+    assert builtin.runs_inline("areal_like/demo") and not builtin.runs_inline("openai/gsm8k")
 
 
 def _alive(pid):
@@ -83,12 +85,17 @@ def _alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-async def test_builtin_runs_inline():
-    fn = RewardFn(timeout_s=1.0)
-    assert not fn.isolated
-    assert await fn.score("areal_like/demo", "3", "3", {}) == 1.0
-    assert fn.worker_pids() == []
-    await fn.close()
+async def test_demo_builtin_runs_inline_others_in_the_pool():
+    fn = RewardFn(timeout_s=30.0)
+    try:
+        assert await fn.score("areal_like/demo", "3", "3", {}) == 1.0
+        assert fn.worker_pids() == []  # the demo's scorer runs in the event loop
+        assert await fn.score("openai/gsm8k", "#### 3", "3", {}) == 1.0
+        pids = fn.worker_pids()
+        assert len(pids) == 1 and pids[0] != os.getpid()  # every other built-in in a worker process
+    finally:
+        await fn.close()
+    assert not _alive(pids[0])
 
 
 async def test_custom_scores_timeout_and_errors_without_leaks(tmp_path):
@@ -105,7 +112,7 @@ async def test_custom_scores_timeout_and_errors_without_leaks(tmp_path):
             return float(solution_str == ground_truth) + extra_info.get("bonus", 0)
     """)
     fn = RewardFn(p, timeout_s=1.5, num_workers=2)
-    assert fn.isolated
+    assert not fn.runs_inline("x")
     before = REWARD_TIMEOUTS._value.get()
     try:
         assert await fn.score("x", "a", "a", {"bonus": 0.5}) == 1.5

@@ -99,19 +99,20 @@ async def test_custom_failures_counted_by_kind(tmp_path):
     assert "non-finite" in firsts["non_finite"] and "not a number" in firsts["not_a_number"]
 
 
-async def test_builtin_failures_counted(monkeypatch):
+async def test_inline_builtin_failures_counted(monkeypatch):
+    """The inline path (the demo source only; the pool path is covered in test_rewards_builtin.py)."""
     import areal_like.reward.fn as fn_mod
 
     results = iter([math.nan, "1", 1.0])
 
-    def fake(ds, s, gt, ei):
+    def fake(ds, s, gt, ei, format_score):
         if s == "boom":
             raise KeyError("no scorer")
         return next(results)
 
     monkeypatch.setattr(fn_mod, "default_compute_score", fake)
     fn = RewardFn()
-    assert [await fn.score("d", s, "g") for s in ("a", "b", "c", "boom")] == [0.0, 0.0, 1.0, 0.0]
+    assert [await fn.score("areal_like/demo", s, "g") for s in ("a", "b", "c", "boom")] == [0.0, 0.0, 1.0, 0.0]
     assert fn.failures == {"exception": 1, "timeout": 0, "non_finite": 1, "not_a_number": 1}
     assert "KeyError" in fn.first_failures()["exception"] and "built-in" in fn.first_failures()["exception"]
     await fn.close()
@@ -214,11 +215,11 @@ async def test_failure_fraction_stops_once_naming_the_function(tmp_path):
 async def test_failure_fraction_one_never_stops(monkeypatch):
     import areal_like.reward.fn as fn_mod
 
-    monkeypatch.setattr(fn_mod, "default_compute_score", lambda *a: math.nan)
+    monkeypatch.setattr(fn_mod, "default_compute_score", lambda *a, **kw: math.nan)
     limits = []
     fn = RewardFn(max_failure_fraction=1.0, failure_window=4, on_limit=limits.append)
     for _ in range(12):
-        assert await fn.score("d", "s", "g") == 0.0
+        assert await fn.score("areal_like/demo", "s", "g") == 0.0  # inline: the monkeypatch applies
     assert limits == [] and fn.failures["non_finite"] == 12
 
 

@@ -1,0 +1,166 @@
+"""The agentic demo task: exact two-digit multiplication, which a tiny model can only get right by
+calling the `calculator` tool (`configs/agent_demo.yaml`, README "Agentic demo").
+
+    prompt  "#S:tools: calculator(expression)\\n#U:47*83=?\\n#A:"        (the agent chat template)
+    turn 1  <tool_call>{"name": "calculator", "arguments": {"expression": "47*83"}}</tool_call><eos>
+    tool    \\n#T:<tool_response>3901</tool_response>\\n#A:                (observation: loss mask 0)
+    turn 2  3901<eos>                                                    reward 1 (exact match of "3901")
+
+Both factors are in [32, 99], so every product has four digits and every episode that calls the tool
+has the same token layout: copying the expression into the call and the result into the answer are
+fixed-offset copies a 2-layer model can learn in seconds. Multiplying in its head it cannot (there
+are 4,624 distinct products): answering without the tool scores ~0.
+
+Warm start (`warm_start`, run once when `demo:calc-agent` is first resolved). RL from a random
+model would have to discover a 60-character JSON call by sampling — hopeless — so a short supervised
+run teaches the *formats*: how a calculator call and an answer look. It does not teach the *policy*:
+its data answers directly (a mental estimate, the product rounded to hundreds: wrong) in most
+episodes and starts a tool call in only `p_call` of them. What the SFT'd model has learnt is thus
+"usually guess, sometimes call"; the first RL steps score ≈ p_call × (how well it copies), and
+RL has to discover that calling the calculator is what pays. Concretely the tool episodes are
+half the data (so the copying is learnt) but their first token, the `<tool_call>` decision, is
+only trained in a fraction of them (so the prior to call stays low): see `sft_example`.
+
+This module writes the parquet files and the warm-started model; it knows nothing of the RL loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+CALC_DATA_SOURCE = "exact"  # built-in exact match (areal_like/reward/builtin.py) of the last turn's text
+LO, HI = 32, 99  # factor range: 32*32 = 1024 … 99*99 = 9801, always four digits
+TOOL_NAME = "calculator"
+
+
+def make_question(rng: random.Random) -> tuple[str, str]:
+    """(the expression, its exact value): e.g. ("47*83", "3901")."""
+    a, b = rng.randint(LO, HI), rng.randint(LO, HI)
+    return f"{a}*{b}", str(a * b)
+
+
+def user_message(expr: str) -> dict:
+    return {"role": "user", "content": f"{expr}=?"}
+
+
+def call_text(expr: str) -> str:
+    """The assistant's tool-call turn (without <eos>), exactly as the agent chat template renders it."""
+    body = json.dumps({"name": TOOL_NAME, "arguments": {"expression": expr}})
+    return f"<tool_call>{body}</tool_call>"
+
+
+def estimate(expr: str) -> str:
+    """A 'mental' answer: the product rounded to hundreds (exactly right only when it ends in 00)."""
+    a, b = (int(x) for x in expr.split("*"))
+    return str(max(1000, round(a * b, -2)))
+
+
+# ---- the verl-format prompts ---------------------------------------------------------------------
+def build_calc_task(out_path: str, n: int = 2048, seed: int = 0, split: str = "train") -> str:
+    """Write `n` questions as verl-format parquet (prompt = chat messages, data_source "exact",
+    reward_model.ground_truth = the product); temporary name + rename, like demo_task."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    rows = [make_question(rng) for _ in range(n)]
+    table = pa.table({
+        "prompt": [[user_message(e)] for e, _ in rows],
+        "data_source": [CALC_DATA_SOURCE] * n,
+        "reward_model": [{"ground_truth": v, "style": "rule"} for _, v in rows],
+        "extra_info": [{"index": i, "split": split} for i in range(n)],
+    })
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = f"{out_path}.tmp.{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, out_path)
+    return out_path
+
+
+# ---- the supervised warm start ------------------------------------------------------------------
+def _tool_schemas() -> list[dict]:
+    from areal_like.tools.calculator import CalculatorTool
+
+    return [CalculatorTool.default_schema]
+
+
+def sft_example(tok, schemas, rng: random.Random, *, p_tool: float, p_train_call: float) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one warm-start episode, built with the same token arithmetic as the
+    `tool_agent` workflow (workflow/chat.py), so SFT and RL see identical sequences.
+
+    With probability `p_tool` the episode calls the calculator and copies its result; else it answers
+    with `estimate`. In a tool episode the first token (`<tool_call>`) is trained only with probability
+    `p_train_call`: the call's format is learnt from every tool episode, the prior to call is
+    ≈ p_tool·p_train_call / (1 − p_tool + p_tool·p_train_call)."""
+    from areal_like.workflow import chat
+
+    expr, value = make_question(rng)
+    ids = chat.prompt_ids(tok, [user_message(expr)], schemas)
+    mask = [0] * len(ids)
+    eos = tok.eos_token_id
+
+    def gen(text: str, *, skip_first: bool = False) -> None:
+        t = chat.encode(tok, text) + [eos]
+        ids.extend(t)
+        mask.extend([0 if skip_first and i == 0 else 1 for i in range(len(t))])
+
+    if rng.random() < p_tool:
+        gen(call_text(expr), skip_first=rng.random() >= p_train_call)
+        obs = chat.observation_ids(tok, [{"role": "tool", "content": value, "name": TOOL_NAME}], ended_with_eos=True)
+        ids.extend(obs)
+        mask.extend([0] * len(obs))
+        gen(value)
+    else:
+        gen(estimate(expr))
+    return ids, mask
+
+
+def warm_start(model_dir: str, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3, p_tool: float = 0.5,
+               p_train_call: float = 0.1, seed: int = 0, threads: int = 2, log=None) -> dict:
+    """Supervised warm start of the HF model in `model_dir`, in place (plain torch, CPU): cross-entropy
+    on the assistant tokens only (loss mask 1). Returns {"steps", "loss", "seconds"}."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    schemas = _tool_schemas()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / steps))
+    t0 = time.monotonic()
+    loss_val = float("nan")
+    for step in range(steps):
+        batch = [sft_example(tok, schemas, rng, p_tool=p_tool, p_train_call=p_train_call) for _ in range(batch_size)]
+        T = max(len(i) for i, _ in batch)
+        ids_BT = torch.full((batch_size, T), tok.pad_token_id, dtype=torch.long)
+        mask_BT = torch.zeros((batch_size, T), dtype=torch.float32)
+        attn_BT = torch.zeros((batch_size, T), dtype=torch.long)
+        for b, (ids, m) in enumerate(batch):
+            ids_BT[b, :len(ids)] = torch.tensor(ids)
+            mask_BT[b, :len(m)] = torch.tensor(m, dtype=torch.float32)
+            attn_BT[b, :len(ids)] = 1
+        logits = model(input_ids=ids_BT, attention_mask=attn_BT).logits[:, :-1]  # (B, T-1, V): predicts t+1
+        nll_BT = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids_BT[:, 1:], reduction="none")
+        m = mask_BT[:, 1:]
+        loss = (nll_BT * m).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            loss_val = loss.item()  # host sync, only when logging
+            log(f"warm start: step {step + 1}/{steps} loss {loss_val:.4f} ({time.monotonic() - t0:.0f}s)")
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return {"steps": steps, "loss": loss_val, "seconds": time.monotonic() - t0}
