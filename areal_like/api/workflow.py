@@ -33,6 +33,7 @@ through `/rl/set_reward`.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import os
@@ -44,11 +45,51 @@ import numpy as np
 
 from areal_like.api.config import GenerationConfig, MultiTurnConfig
 from areal_like.api.trajectory import Trajectory
-from areal_like.data.dataset import PromptRecord
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRecord:
+    prompt_id: str
+    """Stable across runs: `extra_info.index` when present (prefixed by the file stem), else `stem:row`."""
+    input_ids: list[int]
+    ground_truth: str
+    data_source: str
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    raw_prompt: Any = None
+    """The `prompt` cell as read: a str or a list of {"role", "content"} dicts."""
+    row: dict[str, Any] = field(default_factory=dict)
+    """The whole parquet row, every column as read (what a workflow is given, verl-style)."""
+
+    @property
+    def agent_name(self) -> str | None:
+        """verl's per-row workflow choice: the `agent_name` column (or `extra_info.agent_name`); None = the config's."""
+        name = self.row.get("agent_name") or self.extra_info.get("agent_name")
+        return str(name) if name else None
+
+    @property
+    def tools_kwargs(self) -> dict[str, Any]:
+        """verl's per-row tool arguments, `{tool: {"create_kwargs": {…}, "execute_kwargs": {…}}}` (extra_info)."""
+        kw = self.extra_info.get("tools_kwargs", self.row.get("tools_kwargs"))
+        return dict(kw) if isinstance(kw, dict) else {}
+
+    @property
+    def interaction_kwargs(self) -> dict[str, Any]:
+        kw = self.extra_info.get("interaction_kwargs", self.row.get("interaction_kwargs"))
+        return dict(kw) if isinstance(kw, dict) else {}
 
 
 class WorkflowLoadError(ValueError):
     """`rollout.workflow` (or a row's `agent_name`) names something that cannot be used; says how to fix it."""
+
+
+def sample_seed(base_seed: int, group_id: str, index: int) -> int:
+    """Per-sample sampling seed, stable across processes (Python's hash() is salted per process).
+
+    Each sample of a group needs its own seed: with one seed per request, deterministic servers
+    return n identical samples and GRPO's advantages are all zero.
+    """
+    h = hashlib.blake2b(f"{base_seed}:{group_id}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
 # ---- token sequences: prompt, then generated turns (trained) and observations (not trained) --------
@@ -187,8 +228,6 @@ class EpisodeContext:
 
     def sampling_seed(self, index: int, turn: int = 0) -> int | None:
         """A stable seed per (group, sample, turn): deterministic servers still give n different samples."""
-        from areal_like.workflow.rlvr import sample_seed
-
         if self.seed is None:
             return None
         return sample_seed(self.seed, self.group_id if turn == 0 else f"{self.group_id}/t{turn}", index)

@@ -17,41 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import random
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from areal_like.api.workflow import PromptRecord  # noqa: F401  (defined with the workflow API; imported from here too)
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PromptRecord:
-    prompt_id: str
-    """Stable across runs: `extra_info.index` when present (prefixed by the file stem), else `stem:row`."""
-    input_ids: list[int]
-    ground_truth: str
-    data_source: str
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    raw_prompt: Any = None
-    """The `prompt` cell as read: a str or a list of {"role", "content"} dicts."""
-    row: dict[str, Any] = field(default_factory=dict)
-    """The whole parquet row, every column as read (what a workflow is given, verl-style)."""
-
-    @property
-    def agent_name(self) -> str | None:
-        """verl's per-row workflow choice: the `agent_name` column (or `extra_info.agent_name`); None = the config's."""
-        name = self.row.get("agent_name") or self.extra_info.get("agent_name")
-        return str(name) if name else None
-
-    @property
-    def tools_kwargs(self) -> dict[str, Any]:
-        """verl's per-row tool arguments, `{tool: {"create_kwargs": {…}, "execute_kwargs": {…}}}` (extra_info)."""
-        kw = self.extra_info.get("tools_kwargs", self.row.get("tools_kwargs"))
-        return dict(kw) if isinstance(kw, dict) else {}
-
-    @property
-    def interaction_kwargs(self) -> dict[str, Any]:
-        kw = self.extra_info.get("interaction_kwargs", self.row.get("interaction_kwargs"))
-        return dict(kw) if isinstance(kw, dict) else {}
 
 
 def _stem(path: str) -> str:

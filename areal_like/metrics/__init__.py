@@ -32,6 +32,10 @@ ROLLOUT_REWARD = Histogram("areal_like_rollout_reward", "Reward of each trajecto
                            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=REGISTRY)
 ROLLOUT_INFLIGHT = Gauge("areal_like_rollout_inflight_groups", "Groups this worker is generating", registry=REGISTRY)
 GATE_REJECTIONS = Counter("areal_like_gate_rejections", "Staleness-gate refusals (worker waited)", registry=REGISTRY)
+ROLLOUT_FINISH = Counter("areal_like_rollout_finish_reasons", "Trajectories accepted, by finish reason (stop, length, "
+                         "max_turns, context_limit, …)", ["reason"], registry=REGISTRY)
+ROLLOUT_TURNS = Histogram("areal_like_rollout_assistant_turns", "Assistant turns (runs of trained tokens) per accepted "
+                          "trajectory", buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=REGISTRY)
 REWARD_TIMEOUTS = Counter("areal_like_reward_timeouts", "Reward calls that timed out", registry=REGISTRY)
 REWARD_FAILURES = Counter("areal_like_reward_failures", "Reward calls that failed and scored 0, by kind: exception, "
                           "timeout, non_finite (NaN/inf), not_a_number (e.g. a string)", ["kind"], registry=REGISTRY)

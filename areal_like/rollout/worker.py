@@ -35,6 +35,12 @@ EXIT_REWARD_FAILURES = 3
 """Exit code of a worker that stopped because too many reward calls failed (restarting it would not help)."""
 
 
+def assistant_turns(t) -> int:
+    """Runs of trained (generated) tokens in a trajectory: its assistant turns."""
+    m = t.mask_np()
+    return int(m[0]) + int(((m[1:] == 1) & (m[:-1] == 0)).sum()) if len(m) else 0
+
+
 def _log(k: int, msg: str) -> None:
     print(f"[rollout{k}] {msg}", flush=True)
 
@@ -136,6 +142,8 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                     M.ROLLOUT_SAMPLES.inc(len(group.trajectories))
                     for t in group.trajectories:
                         M.ROLLOUT_REWARD.observe(t.reward)
+                        M.ROLLOUT_FINISH.labels(t.finish_reason).inc()
+                        M.ROLLOUT_TURNS.observe(assistant_turns(t))
                     if dump is not None and accepted:
                         dump.write(group, group_info.pop(group_id, None))
                     group_info.pop(group_id, None)

@@ -10,22 +10,10 @@ versions and logprobs are the server's; prompt tokens get −1 / 0. A failed sam
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 from areal_like.api.trajectory import Trajectory
-from areal_like.api.workflow import EpisodeContext
-from areal_like.data.dataset import PromptRecord
+from areal_like.api.workflow import EpisodeContext, PromptRecord, sample_seed  # noqa: F401 (sample_seed re-exported)
 from areal_like.workflow.base import EpisodeWorkflow
-
-
-def sample_seed(base_seed: int, group_id: str, index: int) -> int:
-    """Per-sample sampling seed, stable across processes (Python's hash() is salted per process).
-
-    Each sample of a group needs its own seed: with one seed per request, deterministic servers
-    return n identical samples and GRPO's advantages are all zero.
-    """
-    h = hashlib.blake2b(f"{base_seed}:{group_id}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
 async def gather_samples(coros) -> list:

@@ -68,11 +68,19 @@ def _scratch_dirs() -> set[str]:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(sandbox.SCRATCH_PREFIX)}
 
 
-def _assert_clean(before_dirs: set[str]) -> None:
+def _snapshot() -> tuple[set[str], set[int]]:
+    """Scratch dirs and children of this process before a call (earlier tests of the same session may
+    have left long-lived children of their own, e.g. multiprocessing's resource tracker)."""
+    return _scratch_dirs(), set(_children(os.getpid()))
+
+
+def _assert_clean(before: tuple[set[str], set[int]]) -> None:
+    before_dirs, before_children = before
+    new_children = lambda: set(_children(os.getpid())) - before_children  # noqa: E731
     deadline = time.monotonic() + 2.0  # a SIGKILLed process may take a moment to be reaped
-    while time.monotonic() < deadline and (_children(os.getpid()) or _our_sandbox_uid_processes()):
+    while time.monotonic() < deadline and (new_children() or _our_sandbox_uid_processes()):
         time.sleep(0.05)
-    assert _children(os.getpid()) == [], "a sandboxed process outlived its call"
+    assert new_children() == set(), "a sandboxed process outlived its call"
     assert _our_sandbox_uid_processes() == [], "a process with a sandbox uid outlived its call"
     assert _scratch_dirs() - before_dirs == set(), "a scratch directory was left behind"
 
@@ -106,7 +114,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("kind", list(HOSTILE))
 async def test_hostile_code_is_stopped_and_the_run_goes_on(kind, tmp_path, probe):
-    before = _scratch_dirs()
+    before = _snapshot()
     tools = ToolSet.from_config(_write_config(tmp_path, timeout_s=1.5))
     counted = _count(kind)
     t0 = time.monotonic()
@@ -129,7 +137,7 @@ async def test_cpu_limit_stops_a_busy_loop(tmp_path, probe):
 
 
 async def test_no_network_not_even_the_hosts_loopback(tmp_path, probe):
-    before = _scratch_dirs()
+    before = _snapshot()
     tools = ToolSet.from_config(_write_config(tmp_path, timeout_s=3))
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind(("127.0.0.1", 0))
@@ -152,7 +160,7 @@ async def test_no_network_not_even_the_hosts_loopback(tmp_path, probe):
 
 async def test_detached_processes_die_with_the_call(tmp_path, probe):
     """A daemon that leaves the process group (double fork + setsid) is still ended."""
-    before = _scratch_dirs()
+    before = _snapshot()
     tools = ToolSet.from_config(_write_config(tmp_path))
     code = textwrap.dedent("""
         import os, time
@@ -169,7 +177,7 @@ async def test_detached_processes_die_with_the_call(tmp_path, probe):
 
 
 async def test_cancelled_call_leaves_nothing(probe):
-    before = _scratch_dirs()
+    before = _snapshot()
     task = asyncio.ensure_future(run_python("import time\ntime.sleep(30)\n", timeout_s=30))
     await asyncio.sleep(0.5)
     task.cancel()
@@ -217,7 +225,7 @@ async def test_concurrent_calls_do_not_share_a_process_limit(tmp_path, probe):
 
 
 def test_sync_wrapper_stdin_files_and_output_truncation(probe):
-    before = _scratch_dirs()
+    before = _snapshot()
     code = "import sys\nprint(sys.stdin.read().upper(), open('data/in.txt').read())\nprint('y' * 5000)\n"
     r = run_python_sync(code, timeout_s=5, stdin="hello", files={"data/in.txt": "from a file"}, output_chars=200)
     assert r.error is None and r.exit_code == 0

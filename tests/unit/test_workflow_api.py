@@ -110,6 +110,9 @@ async def test_tool_agent_masks_tool_output_and_scores_the_answer(tok):
     untrained = [s["text"] for s in rec["segments"] if not s["trained"]]
     # two assistant turns trained (each ends on EOS), the tool's answer and the template glue not
     assert trained == [CALL + "<eos>", "42<eos>"]
+    from areal_like.rollout.worker import assistant_turns  # the areal_like_rollout_assistant_turns histogram
+
+    assert assistant_turns(t) == 2
     assert untrained == ["\n#T:<tool_response>42</tool_response>\n#A:"]
     assert set(v for v, m in zip(vers, mask) if m) == {5, 6} and all(v == -1 for v, m in zip(vers, mask) if not m)
     # the second turn was generated after exactly the tokens a re-rendered conversation has
