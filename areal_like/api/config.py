@@ -123,9 +123,9 @@ class RolloutConfig(_Section):
     """YAML file declaring the tools (verl's tool-config shape: `tools: [{class_name, config,
     tool_schema}]`); needed by `tool_agent`. Per-row arguments come from `extra_info.tools_kwargs`."""
     dump_dir: str | None = None
-    """Directory where every committed group is written as JSON lines (text, tokens, loss mask, versions,
-    reward, finish reason), one file per rollout worker; `launcher replay --dump-dir D` trains on it.
-    None = no dump."""
+    """Directory where every accepted group is written as JSON lines (text, tokens, loss mask, versions,
+    reward, finish reason), one file per rollout worker; a relative path is inside the run directory
+    (`dump` → <run dir>/dump). `launcher replay --dump-dir D` trains on it. None = no dump."""
     multi_turn: MultiTurnConfig = msgspec.field(default_factory=MultiTurnConfig)
     """Limits of the multi-turn workflows (`multi_turn`, `tool_agent`, user agents)."""
 

@@ -1,5 +1,5 @@
 """The agentic demo task: exact two-digit multiplication, which a tiny model can only get right by
-calling the `calculator` tool (`configs/agent_demo.yaml`, README "Agentic demo").
+calling the `calculator` tool (`configs/agent_demo.yaml`).
 
     prompt  "#S:tools: calculator(expression)\\n#U:47*83=?\\n#A:"        (the agent chat template)
     turn 1  <tool_call>{"name": "calculator", "arguments": {"expression": "47*83"}}</tool_call><eos>
@@ -8,18 +8,18 @@ calling the `calculator` tool (`configs/agent_demo.yaml`, README "Agentic demo")
 
 Both factors are in [32, 99], so every product has four digits and every episode that calls the tool
 has the same token layout: copying the expression into the call and the result into the answer are
-fixed-offset copies a 2-layer model can learn in seconds. Multiplying in its head it cannot (there
-are 4,624 distinct products): answering without the tool scores ~0.
+fixed-offset copies a 2-layer model learns in a minute. Multiplying in its head it cannot (there
+are 68 × 68 = 4,624 questions): answering without the tool scores ~0.
 
-Warm start (`warm_start`, run once when `demo:calc-agent` is first resolved). RL from a random
-model would have to discover a 60-character JSON call by sampling — hopeless — so a short supervised
-run teaches the *formats*: how a calculator call and an answer look. It does not teach the *policy*:
-its data answers directly (a mental estimate, the product rounded to hundreds: wrong) in most
-episodes and starts a tool call in only `p_call` of them. What the SFT'd model has learnt is thus
-"usually guess, sometimes call"; the first RL steps score ≈ p_call × (how well it copies), and
-RL has to discover that calling the calculator is what pays. Concretely the tool episodes are
-half the data (so the copying is learnt) but their first token, the `<tool_call>` decision, is
-only trained in a fraction of them (so the prior to call stays low): see `sft_example`.
+Warm start (`warm_start`, run once when `demo:calc-agent` is first resolved; `WARM_START` is the recipe).
+RL from a random model would have to discover a 60-character JSON call by sampling — hopeless — so a
+short supervised run (~1 min on 2 cores) teaches the *formats*: how a calculator call and an answer
+look. It deliberately does not teach the *policy*: in its data the tool episodes are 80% (so the
+copying is learnt) but their first token — the decision to call — is trained in only 2% of them, and
+the other 20% answer directly with a "mental" estimate (the product rounded to hundreds: wrong). The
+warm-started model thus mostly guesses: measured, P(first token = <tool_call>) ≈ 0.04 and ~9% of
+sampled first turns call the tool, while a forced call is copied right end to end in ~85% of episodes.
+The first RL steps score ≈ 0.1 (the product of the two); RL has to find out that calling pays.
 
 This module writes the parquet files and the warm-started model; it knows nothing of the RL loop.
 """
@@ -60,14 +60,25 @@ def estimate(expr: str) -> str:
 
 
 # ---- the verl-format prompts ---------------------------------------------------------------------
-def build_calc_task(out_path: str, n: int = 2048, seed: int = 0, split: str = "train") -> str:
-    """Write `n` questions as verl-format parquet (prompt = chat messages, data_source "exact",
-    reward_model.ground_truth = the product); temporary name + rename, like demo_task."""
+def questions(n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """`n` (expression, value) pairs from `seed`'s stream, skipping expressions in `exclude`."""
+    rng = random.Random(seed)
+    out: list[tuple[str, str]] = []
+    while len(out) < n:
+        q = make_question(rng)
+        if q[0] not in exclude:
+            out.append(q)
+    return out
+
+
+def build_calc_task(out_path: str, n: int = 2048, seed: int = 0, split: str = "train",
+                    exclude: frozenset[str] = frozenset()) -> str:
+    """Write `n` questions (none in `exclude`) as verl-format parquet (prompt = chat messages,
+    data_source "exact", reward_model.ground_truth = the product); temporary name + rename, like demo_task."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = random.Random(seed)
-    rows = [make_question(rng) for _ in range(n)]
+    rows = questions(n, seed, exclude)
     table = pa.table({
         "prompt": [[user_message(e)] for e, _ in rows],
         "data_source": [CALC_DATA_SOURCE] * n,
@@ -93,7 +104,7 @@ def sft_example(tok, schemas, rng: random.Random, *, p_tool: float, p_train_call
     `tool_agent` workflow (workflow/chat.py), so SFT and RL see identical sequences.
 
     With probability `p_tool` the episode calls the calculator and copies its result; else it answers
-    with `estimate`. In a tool episode the first token (`<tool_call>`) is trained only with probability
+    with `estimate` (wrong). In a tool episode the first token (`<tool_call>`) is trained only with probability
     `p_train_call`: the call's format is learnt from every tool episode, the prior to call is
     ≈ p_tool·p_train_call / (1 − p_tool + p_tool·p_train_call)."""
     from areal_like.workflow import chat
@@ -164,3 +175,60 @@ def warm_start(model_dir: str, *, steps: int = 300, batch_size: int = 32, lr: fl
             log(f"warm start: step {step + 1}/{steps} loss {loss_val:.4f} ({time.monotonic() - t0:.0f}s)")
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"steps": steps, "loss": loss_val, "seconds": time.monotonic() - t0}
+
+
+# ---- the demo assets ----------------------------------------------------------------------------
+CALC_VAL_SEED = 1_000_003  # validation questions come from their own stream, and are left out of the train file
+N_TRAIN, N_VAL = 2048, 32
+
+# The recipe `demo:calc-agent` is built with. The cache directory's name carries WARM_START_VERSION:
+# change the recipe → bump it, or a cache built by the old recipe would be used silently.
+WARM_START_VERSION = 1
+WARM_START = dict(steps=600, batch_size=32, lr=3e-3, p_tool=0.8, p_train_call=0.02, threads=1)
+
+
+def ensure_calc_agent(model_dir: str, *, seed: int = 0, log=None, **overrides) -> str:
+    """The warm-started agent model in `model_dir` unless it has one: the tiny agent model
+    (`tiny_model.build_tiny_model(agent=True)`) after `warm_start(**WARM_START)` (~1 min on 2 cores).
+    Built in a temporary directory and renamed, so two launchers racing on first use never load a
+    half-trained model; the recipe and its final loss are kept in `warm_start.json` next to the weights."""
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        return model_dir
+    import shutil
+    import tempfile
+
+    from areal_like.data.demo_task import DEMO_MODEL_KWARGS
+    from areal_like.data.tiny_model import build_tiny_model
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    recipe = {**WARM_START, **overrides}
+    log(f"building the warm-started agent model in {model_dir} (once; ~1 min on 2 cores): {recipe}")
+    parent = os.path.dirname(os.path.abspath(model_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".calc_agent.", dir=parent)
+    try:
+        build_tiny_model(tmp, seed=seed, agent=True, **DEMO_MODEL_KWARGS)
+        stats = warm_start(tmp, seed=seed, log=log, **recipe)
+        with open(os.path.join(tmp, "warm_start.json"), "w") as f:
+            json.dump({"version": WARM_START_VERSION, "seed": seed, **recipe, **stats}, f, indent=1)
+        if os.path.isdir(model_dir) and not os.listdir(model_dir):
+            os.rmdir(model_dir)
+        try:
+            os.rename(tmp, model_dir)
+        except OSError:
+            if not os.path.exists(os.path.join(model_dir, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
+
+
+def ensure_calc_data(path: str, split: str) -> str:
+    """The train (N_TRAIN questions) or val (N_VAL held-out questions) parquet at `path` unless it exists."""
+    if not os.path.exists(path):
+        if split == "train":
+            held_out = frozenset(e for e, _ in questions(N_VAL, CALC_VAL_SEED))
+            build_calc_task(path, n=N_TRAIN, seed=0, split="train", exclude=held_out)
+        else:
+            build_calc_task(path, n=N_VAL, seed=CALC_VAL_SEED, split="val")
+    return path

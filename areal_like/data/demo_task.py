@@ -32,6 +32,8 @@ from __future__ import annotations
 import os
 import random
 
+from areal_like.data import agent_task as _agent_task  # standard library only at import time
+
 DEMO_DATA_SOURCE = "areal_like/demo"
 DIGITS = "0123456789"
 
@@ -138,6 +140,10 @@ def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False) -> 
 # ---- demo names: the only paths the system builds itself ------------------------------------------
 DEMO_NAMES = {"demo:tiny-qwen2": "tiny-qwen2", "demo:tiny-agent": "tiny-agent",
               "demo:next-digit": "next-digit-train.parquet", "demo:next-digit-val": "next-digit-val.parquet"}
+# The agentic demo (configs/agent_demo.yaml, data/agent_task.py): the tiny agent model after a short
+# supervised warm start (its cache name carries the recipe's version), and the multiplication questions.
+DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERSION}",
+                   "demo:calc-train": "calc-train.parquet", "demo:calc-val": "calc-val.parquet"})
 
 
 def demo_cache_dir() -> str:
@@ -157,6 +163,10 @@ def resolve_demo_name(name: str, key: str) -> str:
         ensure_tiny_model(path, agent=True)
     elif name == "demo:next-digit":
         ensure_demo_assets(None, path)
+    elif name == "demo:calc-agent":
+        _agent_task.ensure_calc_agent(path)
+    elif name in ("demo:calc-train", "demo:calc-val"):
+        _agent_task.ensure_calc_data(path, "train" if name == "demo:calc-train" else "val")
     else:
         ensure_demo_assets(None, None, val_file=path)
     return path

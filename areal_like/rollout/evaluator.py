@@ -64,7 +64,7 @@ class Evaluator:
 
     def __init__(self, client, reward_fn, tokenizer, dataset: Sequence[PromptRecord], eval_cfg: EvalConfig,
                  gen_cfg: GenerationConfig, channel, *, seed: int = 1, max_concurrency: int = 512,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, runner=None) -> None:
         self.client = client
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
@@ -83,6 +83,29 @@ class Evaluator:
             stop.append(int(eos))
         self.stop_token_ids = stop
         self.evaluated = 0  # evaluations answered (for tests and the log)
+        self.runner = runner
+        """The rollout worker's WorkflowRunner: prompts whose workflow is not single-turn `rlvr` (multi-turn,
+        tools, agents) are validated through it — a whole episode per sample, scored as in training."""
+        g = gen_cfg
+        self.episode_gen = GenerationConfig(n=eval_cfg.n, max_new_tokens=self.max_new_tokens,
+                                            temperature=eval_cfg.temperature, top_p=eval_cfg.top_p, top_k=g.top_k,
+                                            stop_token_ids=list(g.stop_token_ids))
+
+    def _multi_turn(self, record: PromptRecord) -> bool:
+        return self.runner is not None and self.runner.workflow_name(record) != "rlvr"
+
+    async def _episode(self, record: PromptRecord, version: int) -> list[tuple[float, int, int]]:
+        """eval.n samples of `record` through its workflow (one group): (reward, generated tokens,
+        generated tokens whose version ≠ `version`) each; [] if the workflow skipped the prompt."""
+        tag = f"val-v{version}-{record.prompt_id}-{time.monotonic_ns()}"
+        async with self._sem:
+            group = await self.runner.run_group(record, tag, gen=self.episode_gen)
+        out = []
+        for t in (group.trajectories if group is not None else []):
+            gen = t.mask_np().astype(bool)
+            versions = t.versions_np()[gen]
+            out.append((float(t.reward), int(gen.sum()), int((versions != version).sum())))
+        return out
 
     async def _sample(self, record: PromptRecord, version: int, i: int) -> tuple[float, int, int]:
         """(reward, generated tokens, tokens whose version ≠ `version`) of one sample."""
@@ -102,8 +125,19 @@ class Evaluator:
         """Every prompt × eval.n samples, scored and aggregated (the dict that is published)."""
         t0 = time.monotonic()
         n = self.eval_cfg.n
-        jobs = [(r, i) for r in self.prompts for i in range(n)]
+        single = [r for r in self.prompts if not self._multi_turn(r)]
+        episodic = [r for r in self.prompts if self._multi_turn(r)]
+        jobs = [(r, i) for r in single for i in range(n)]
         outs = await asyncio.gather(*(self._sample(r, version, i) for r, i in jobs), return_exceptions=True)
+        if episodic:  # a whole group per prompt: its samples succeed or fail together
+            groups = await asyncio.gather(*(self._episode(r, version) for r in episodic), return_exceptions=True)
+            for rec, g in zip(episodic, groups):
+                if isinstance(g, BaseException):
+                    jobs += [(rec, i) for i in range(n)]
+                    outs += [g] * n
+                else:
+                    jobs += [(rec, i) for i in range(len(g))]
+                    outs += list(g)
         scored: list[tuple[str, str, float]] = []
         failed = mismatch = tokens = 0
         first_error: BaseException | None = None

@@ -127,7 +127,10 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
         workflow = WorkflowRunner(cfg, client, reward_fn, tokenizer, producer=f"rollout{index}", tools=tools)
         per_row = workflow.check_rows(dataset.records)
         _log(index, f"workflow {cfg.rollout.workflow}" + (f"; rows also use {', '.join(per_row)}" if per_row else ""))
-        dump = DumpWriter(cfg.rollout.dump_dir, index, tokenizer) if cfg.rollout.dump_dir else None
+        dump = None
+        if cfg.rollout.dump_dir:  # a relative path is inside the run directory: every run its own dump
+            dump = DumpWriter(os.path.join(run_dir, cfg.rollout.dump_dir), index, tokenizer)
+            _log(index, f"dumping accepted groups to {dump.path}")
 
         async def one(record, group_id: str) -> None:
             accepted = False
@@ -166,9 +169,10 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
             from areal_like.rollout.evaluator import Evaluator
 
             # Validation runs beside the rollouts: no gate slot, nothing written to the stream (evaluator.py).
+            workflow.check_rows(val_dataset.records)
             evaluator = Evaluator(client, reward_fn, tokenizer, val_dataset, cfg.eval, cfg.generation,
                                   EvalChannel.from_buffer(buffer, evaluator=f"rollout{index}"), seed=cfg.seed,
-                                  log=lambda msg: _log(index, msg))
+                                  log=lambda msg: _log(index, msg), runner=workflow)
             eval_task = asyncio.create_task(evaluator.run(stop), name="evaluator")
 
             def _eval_done(t: asyncio.Task) -> None:

@@ -99,10 +99,19 @@ class WorkflowRunner:
             self._proxy = proxy
         return self._proxy
 
-    async def run_group(self, record, group_id: str):
+    def workflow_name(self, record) -> str:
+        """The workflow that runs `record`: its `agent_name`, else rollout.workflow (verl aliases resolved)."""
+        name = record.agent_name or self.default
+        return VERL_ALIASES.get(name, name)
+
+    async def run_group(self, record, group_id: str, *, gen=None):
+        """The group for `record` (None = skipped). `gen` replaces the run's generation settings (the
+        evaluator passes eval.n / eval.temperature / eval.top_p)."""
         name = record.agent_name or self.default
         wf = self.resolve(name)
         ew = self.episode_workflow(wf.obj if wf.kind == "episode" else None, wf.name)
+        if gen is not None:
+            ew.gen_cfg = gen
         ctx = ew.context(record, group_id)
         if wf.kind == "episode":
             out = await wf.obj(ctx, record)

@@ -213,3 +213,22 @@ async def test_the_readme_example_workflow_runs(tmp_path, tok):
     assert [(s["text"], s["trained"]) for s in rec["segments"]] == [
         ("7<eos>", True), ("\n#U:wrong, try again\n#A:", False), ("42<eos>", True)]
     assert g.trajectories[0].reward == 1.0
+
+
+async def test_validation_runs_multi_turn_episodes_through_the_workflow(tok):
+    """With a tool workflow, validation scores whole episodes (the tool's answer), not the first turn."""
+    from areal_like.api.config import EvalConfig
+    from areal_like.rollout.evaluator import Evaluator
+
+    cfg = _cfg()
+    runner = WorkflowRunner(cfg, ScriptedClient(tok, [CALL, "42"]), RewardFn(), tok, producer="r", tools=Tools())
+    ev = Evaluator(runner.client, RewardFn(), tok, [_row(tok)], EvalConfig(n=3), cfg.generation, channel=None,
+                   runner=runner)
+    res = await ev.evaluate(version=5, step=10)
+    assert res["val/exact/mean@3"] == 1.0 and res["val/samples"] == 3.0 and res["val/failed_samples"] == 0.0
+    # 2 turns per sample, the second generated at version 6 (the scripted server's versions 5 + turn)
+    assert res["val/version_mismatch_tokens"] == 3 * len(tok("42", add_special_tokens=False)["input_ids"]) + 3
+    # the single-turn path would have scored the tool call itself
+    single = await Evaluator(runner.client, RewardFn(), tok, [_row(tok)], EvalConfig(n=3), cfg.generation,
+                             channel=None).evaluate(version=5, step=10)
+    assert single["val/exact/mean@3"] == 0.0
