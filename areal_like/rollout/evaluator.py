@@ -97,9 +97,9 @@ class Evaluator:
     async def _episode(self, record: PromptRecord, version: int) -> list[tuple[float, int, int]]:
         """eval.n samples of `record` through its workflow (one group): (reward, generated tokens,
         generated tokens whose version ≠ `version`) each; [] if the workflow skipped the prompt."""
-        tag = f"val-v{version}-{record.prompt_id}-{time.monotonic_ns()}"
+        tag = f"val-v{version}-{record.prompt_id}"  # the group id: seeds derive from it (reproducible)
         async with self._sem:
-            group = await self.runner.run_group(record, tag, gen=self.episode_gen)
+            group = await self.runner.run_group(record, tag, gen=self.episode_gen, keep_info=False)
         out = []
         for t in (group.trajectories if group is not None else []):
             gen = t.mask_np().astype(bool)

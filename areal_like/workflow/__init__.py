@@ -104,9 +104,10 @@ class WorkflowRunner:
         name = record.agent_name or self.default
         return VERL_ALIASES.get(name, name)
 
-    async def run_group(self, record, group_id: str, *, gen=None):
+    async def run_group(self, record, group_id: str, *, gen=None, keep_info: bool = True):
         """The group for `record` (None = skipped). `gen` replaces the run's generation settings (the
-        evaluator passes eval.n / eval.temperature / eval.top_p)."""
+        evaluator passes eval.n / eval.temperature / eval.top_p); `keep_info`: leave the episode's
+        counters in `group_info` for the dump (the worker pops them)."""
         name = record.agent_name or self.default
         wf = self.resolve(name)
         ew = self.episode_workflow(wf.obj if wf.kind == "episode" else None, wf.name)
@@ -122,7 +123,7 @@ class WorkflowRunner:
             out = await run_agent_group(ctx, wf.obj, await self.proxy(), export_style=mt.export_style,
                                         turn_discount=mt.turn_discount)
         group = make_group(out, record, group_id, self.producer, wf.name)
-        if group is not None and ctx.info:
+        if group is not None and ctx.info and keep_info:
             group_info[group_id] = ctx.info
         return group
 
