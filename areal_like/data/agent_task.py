@@ -192,35 +192,20 @@ def ensure_calc_agent(model_dir: str, *, seed: int = 0, log=None, **overrides) -
     (`tiny_model.build_tiny_model(agent=True)`) after `warm_start(**WARM_START)` (~1 min on 2 cores).
     Built in a temporary directory and renamed, so two launchers racing on first use never load a
     half-trained model; the recipe and its final loss are kept in `warm_start.json` next to the weights."""
+    from areal_like.data.demo_task import ensure_tiny_model
+
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return model_dir
-    import shutil
-    import tempfile
-
-    from areal_like.data.demo_task import DEMO_MODEL_KWARGS
-    from areal_like.data.tiny_model import build_tiny_model
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     recipe = {**WARM_START, **overrides}
     log(f"building the warm-started agent model in {model_dir} (once; ~1 min on 2 cores): {recipe}")
-    parent = os.path.dirname(os.path.abspath(model_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".calc_agent.", dir=parent)
-    try:
-        build_tiny_model(tmp, seed=seed, agent=True, **DEMO_MODEL_KWARGS)
+
+    def train(tmp: str) -> None:
         stats = warm_start(tmp, seed=seed, log=log, **recipe)
         with open(os.path.join(tmp, "warm_start.json"), "w") as f:
             json.dump({"version": WARM_START_VERSION, "seed": seed, **recipe, **stats}, f, indent=1)
-        if os.path.isdir(model_dir) and not os.listdir(model_dir):
-            os.rmdir(model_dir)
-        try:
-            os.rename(tmp, model_dir)
-        except OSError:
-            if not os.path.exists(os.path.join(model_dir, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return model_dir
+
+    return ensure_tiny_model(model_dir, seed=seed, agent=True, then=train)
 
 
 def ensure_calc_data(path: str, split: str) -> str:

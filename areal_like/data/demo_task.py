@@ -109,9 +109,10 @@ def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train
         build_demo_task(val_file, n_train=n_val, seed=val_seed, split="val")
 
 
-def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False) -> str:
+def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, then=None) -> str:
     """Build the tiny model (the demo's, or with `agent` the tool-use variant: JSON characters, tool-call
-    tokens, a chat template with tools) in `model_dir` unless it has one. Written to a temporary
+    tokens, a chat template with tools) in `model_dir` unless it has one. `then(tmp_dir)` runs on the
+    fresh model before it is published (the agentic demo's warm start). Written to a temporary
     directory and renamed, so two launchers racing on first use never load a half-written model."""
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return model_dir
@@ -125,6 +126,8 @@ def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False) -> 
     tmp = tempfile.mkdtemp(prefix=".tiny_model.", dir=parent)
     try:
         build_tiny_model(tmp, seed=seed, agent=agent, **DEMO_MODEL_KWARGS)
+        if then is not None:
+            then(tmp)
         if os.path.isdir(model_dir) and not os.listdir(model_dir):
             os.rmdir(model_dir)
         try:
