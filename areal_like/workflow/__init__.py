@@ -14,6 +14,7 @@ group the buffer takes.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from areal_like.api.workflow import LoadedWorkflow, WorkflowLoadError, classify, load_user_workflow
@@ -58,6 +59,7 @@ class WorkflowRunner:
         self.default = cfg.rollout.workflow
         self._loaded: dict[str, LoadedWorkflow] = {}
         self._proxy = None
+        self._proxy_lock = asyncio.Lock()
         self.resolve(self.default)  # a bad file fails at start, naming rollout.workflow
 
     def resolve(self, name: str, where: str = "rollout.workflow") -> LoadedWorkflow:
@@ -89,14 +91,17 @@ class WorkflowRunner:
                                max_context_len=c.server.max_context_len, name=name)
 
     async def proxy(self):
-        if self._proxy is None:
-            from areal_like.agent.proxy import AgentProxy
+        """The worker's one agent proxy, started by the first agent group (concurrent first groups wait
+        for it rather than each starting a server)."""
+        async with self._proxy_lock:
+            if self._proxy is None:
+                from areal_like.agent.proxy import AgentProxy
 
-            c = self.cfg
-            proxy = AgentProxy(self.client, self.tokenizer, c.generation, c.rollout.multi_turn, seed=c.seed,
-                               max_context_len=c.server.max_context_len)
-            await proxy.start()
-            self._proxy = proxy
+                c = self.cfg
+                proxy = AgentProxy(self.client, self.tokenizer, c.generation, c.rollout.multi_turn, seed=c.seed,
+                                   max_context_len=c.server.max_context_len)
+                await proxy.start()
+                self._proxy = proxy
         return self._proxy
 
     def workflow_name(self, record) -> str:
