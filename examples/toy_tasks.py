@@ -66,6 +66,16 @@ def qa_rows_and_corpus(n: int, seed: int, *, system: str, data_source: str = "se
     return rows, corpus
 
 
+def build_arithmetic(out: str, n: int, *, system: str, question: str, data_source: str) -> str:
+    """`out`/train.parquet (n rows) and `out`/val.parquet (32 rows of another seed) of arithmetic_rows."""
+    import os
+
+    for split, rows, seed in (("train", n, 1), ("val", 32, 2)):
+        write_parquet(arithmetic_rows(rows, seed, system=system, question=question, data_source=data_source),
+                      os.path.join(out, f"{split}.parquet"))
+    return f"wrote {out}/train.parquet ({n} rows), {out}/val.parquet (32 rows)"
+
+
 def write_parquet(rows: list[dict], path: str) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -50,20 +50,13 @@ def _load_cfg(args):
 
 
 def _run_order(run_dir: str) -> list[list[str]]:
-    """Group ids per step as the run's final model trained them (the last incarnation's steps win)."""
+    """Group ids per step as the run's final model trained them."""
+    from areal_like.api.run_files import trained_steps
+
     path = os.path.join(run_dir, "trained.jsonl")
     if not os.path.exists(path):
         raise ReplayError(f"--run-dir {run_dir} has no trained.jsonl: the learner never finished a step there")
-    steps: dict[int, list[str]] = {}
-    with open(path) as f:
-        for line in f:
-            ev = json.loads(line)
-            if ev.get("event") == "start":
-                for s in [s for s in steps if s > ev["resumed_from_step"]]:
-                    del steps[s]  # redone by the incarnation that resumed from an earlier checkpoint
-            elif ev.get("event") == "trained":
-                steps[int(ev["step"])] = list(ev["groups"])
-    return [steps[s] for s in sorted(steps)]
+    return list(trained_steps(path).values())
 
 
 def replay(args) -> int:

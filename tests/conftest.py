@@ -142,25 +142,37 @@ def demo_assets(tmp_path_factory) -> tuple[str, str]:
     return model, data
 
 
-def launcher_cli(*argv: str, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
-    """`launcher <argv…>` from the repository root in its own session (killed on timeout) →
-    (exit code, output); `env` is added to this process's environment."""
+def launcher_spawn(*argv: str, env: dict | None = None):
+    """`launcher <argv…>` started from the repository root in its own session (output piped); `env` is
+    added to this process's environment. Finish it with `launcher_finish`."""
     import os
-    import signal
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", *argv], cwd=root, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "launcher", *argv], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, **(env or {})})
+
+
+def launcher_finish(proc, timeout: float = 300) -> tuple[int, str]:
+    """(exit code, output) of a `launcher_spawn`ed process; its session is killed on timeout."""
+    import os
+    import signal
+    import subprocess
+
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        _pytest_engine.fail(f"launcher {argv[0]} did not finish in {timeout}s:\n{out[-3000:]}")
+        _pytest_engine.fail(f"launcher {proc.args[3]} did not finish in {timeout}s:\n{out[-3000:]}")
     return proc.returncode, out
+
+
+def launcher_cli(*argv: str, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+    """`launcher <argv…>` to the end → (exit code, output)."""
+    return launcher_finish(launcher_spawn(*argv, env=env), timeout)
 
 
 @_pytest_engine.fixture

@@ -101,3 +101,20 @@ def append_metrics(run_dir: str, m: StepMetrics) -> None:
     # json (not msgspec) writes NaN as NaN, as earlier files and every reader (json.loads) expect.
     with open(os.path.join(run_dir, METRICS_FILE), "a") as f:
         f.write(json.dumps(m.to_row()) + "\n")
+
+
+def trained_steps(trained_log: str) -> dict[int, list[str]]:
+    """Group ids per step as the run's final model contains them, from `trained.jsonl`: each learner
+    incarnation ("start" event) resumed from a checkpoint step and redid what came after it, so its
+    steps replace the earlier incarnation's from there on."""
+    steps: dict[int, list[str]] = {}
+    with open(trained_log) as f:
+        for line in f:
+            ev = json.loads(line)
+            if ev.get("event") == "start":
+                for s in [s for s in steps if s > ev["resumed_from_step"]]:
+                    del steps[s]
+            elif ev.get("event") == "trained":
+                steps[int(ev["step"])] = list(ev["groups"])
+    return dict(sorted(steps.items()))
+

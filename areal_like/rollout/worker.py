@@ -114,7 +114,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     async with GenerationClient(endpoints.servers, request_timeout_s=cfg.rollout.request_timeout_s,
                                 api_key=cfg.server.api_key) as client:
         from areal_like.rollout.dump import DumpWriter
-        from areal_like.workflow import WorkflowRunner, group_info
+        from areal_like.workflow import WorkflowRunner
 
         tools = None
         if cfg.rollout.tools_config:
@@ -148,7 +148,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                         M.ROLLOUT_FINISH.labels(t.finish_reason).inc()
                         M.ROLLOUT_TURNS.observe(assistant_turns(t))
                     if dump is not None and accepted:
-                        dump.write(group, group_info.get(group_id))
+                        dump.write(group, workflow.episode_info.get(group_id))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one failed group must not end the worker: free the slot, retry the prompt
@@ -156,7 +156,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                 _log(index, f"group {group_id} failed: {type(e).__name__}: {e}")
                 retry.append(record)
             finally:
-                group_info.pop(group_id, None)  # the episode's counters, kept for the dump until here
+                workflow.episode_info.pop(group_id, None)  # the episode's counters, kept for the dump until here
                 if not accepted:
                     await gate.release_async(group_id)
                 slots.release()

@@ -60,6 +60,8 @@ class WorkflowRunner:
         self._loaded: dict[str, LoadedWorkflow] = {}
         self._proxy = None
         self._proxy_lock = asyncio.Lock()
+        self.episode_info: dict[str, dict] = {}
+        """group id → the episode's counters (ctx.info, e.g. tool calls) for the dump; the worker pops them."""
         self.resolve(self.default)  # a bad file fails at start, naming rollout.workflow
 
     def resolve(self, name: str, where: str = "rollout.workflow") -> LoadedWorkflow:
@@ -112,7 +114,7 @@ class WorkflowRunner:
     async def run_group(self, record, group_id: str, *, gen=None, keep_info: bool = True):
         """The group for `record` (None = skipped). `gen` replaces the run's generation settings (the
         evaluator passes eval.n / eval.temperature / eval.top_p); `keep_info`: leave the episode's
-        counters in `group_info` for the dump (the worker pops them)."""
+        counters in `episode_info` for the dump (the worker pops them)."""
         name = record.agent_name or self.default
         wf = self.resolve(name)
         ew = self.episode_workflow(wf.obj if wf.kind == "episode" else None, wf.name)
@@ -129,7 +131,7 @@ class WorkflowRunner:
                                         turn_discount=mt.turn_discount)
         group = make_group(out, record, group_id, self.producer, wf.name)
         if group is not None and ctx.info and keep_info:
-            group_info[group_id] = ctx.info
+            self.episode_info[group_id] = ctx.info
         return group
 
     async def close(self) -> None:
@@ -138,10 +140,6 @@ class WorkflowRunner:
             self._proxy = None
         if self.tools is not None:
             await self.tools.close()
-
-
-group_info: dict[str, dict] = {}
-"""Per-group episode counters (ctx.info) waiting for the trajectory dump; the dump pops them."""
 
 
 def get_workflow_class(name: str) -> type:

@@ -38,24 +38,25 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None)
     return encode(tokenizer, render(tokenizer, messages, tools=tools, add_generation_prompt=True))
 
 
+_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK})
+
+
 @lru_cache(maxsize=64)
-def _turn_suffix(tokenizer) -> str:
-    """S: what the template writes after an assistant message's content (e.g. "<eos>\\n", "<|im_end|>\\n")."""
-    text = render(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}],
-                  add_generation_prompt=False)
-    return text[text.rindex(_MARK) + len(_MARK):]
+def _measured(tokenizer) -> tuple[str, str]:
+    """(render of the fixed two-message conversation, S: what the template writes after an assistant
+    message's content, e.g. "<eos>\\n", "<|im_end|>\\n") — once per tokenizer."""
+    text = render(tokenizer, [dict(m) for m in _BASE], add_generation_prompt=False)
+    return text, text[text.rindex(_MARK) + len(_MARK):]
 
 
 def observation_ids(tokenizer, new_messages: list[dict], *, ended_with_eos: bool) -> list[int]:
     """Tokens to append after a generated assistant turn so that the sequence continues with
     `new_messages` (tool results, a user turn) and the next assistant header."""
-    base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-    before = render(tokenizer, base, add_generation_prompt=False)
-    after = render(tokenizer, base + list(new_messages), add_generation_prompt=True)
+    before, suffix = _measured(tokenizer)
+    after = render(tokenizer, [dict(m) for m in _BASE] + list(new_messages), add_generation_prompt=True)
     if not after.startswith(before):
         raise ValueError("the chat template renders earlier messages differently once new ones follow; "
                          "multi-turn episodes need a template whose output only grows")
-    suffix = _turn_suffix(tokenizer)
     eos = tokenizer.eos_token or ""
     if ended_with_eos and eos and suffix.startswith(eos):
         suffix = suffix[len(eos):]

@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 
 def effective_history(trained_log: str) -> list[tuple[int, str]]:
-    """(step, group id) pairs the final model contains, from trained.jsonl: for each learner incarnation
-    the steps up to the checkpoint the next incarnation resumed from, plus everything of the last one."""
-    incarnations: list[dict] = []
-    for line in open(trained_log):
-        ev = json.loads(line)
-        if ev["event"] == "start":
-            incarnations.append({"resumed_from": ev["resumed_from_step"], "steps": {}})
-        else:
-            incarnations[-1]["steps"][ev["step"]] = ev["groups"]
-    history = []
-    for i, inc in enumerate(incarnations):
-        upto = incarnations[i + 1]["resumed_from"] if i + 1 < len(incarnations) else float("inf")
-        for step, groups in sorted(inc["steps"].items()):
-            if step <= upto:
-                history += [(step, g) for g in groups]
-    return history
+    """(step, group id) pairs the final model contains, from trained.jsonl (`trained_steps`: for each
+    learner incarnation the steps up to the checkpoint the next incarnation resumed from)."""
+    from areal_like.api.run_files import trained_steps
+
+    return [(step, g) for step, groups in trained_steps(trained_log).items() for g in groups]
 
 
 def buffer_accounting(url: str, stream: str = "areal_like") -> tuple[set[str], set[str], dict]:

@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from conftest import launcher_finish, launcher_spawn
 
 pytestmark = pytest.mark.integration
 
@@ -24,21 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _launch(run_dir, assets, *overrides, allocation="embedded.d1p1t1+d1p1t1"):
     model, data = assets
-    argv = [sys.executable, "-m", "launcher", "run", "--config", os.path.join(ROOT, "configs/demo.yaml"),
-            "--allocation", allocation, "--run-dir", str(run_dir),
-            f"model.path={model}", f"data.train_files=[{data}]", *overrides]
-    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return launcher_spawn("run", "--config", "configs/demo.yaml", "--allocation", allocation, "--run-dir",
+                          str(run_dir), f"model.path={model}", f"data.train_files=[{data}]", *overrides)
 
 
-def _finish(proc, timeout=300):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"launcher run did not finish in {timeout}s:\n{out[-3000:]}")
-    return proc.returncode, out
+_finish = launcher_finish
 
 
 def _assert_all_gone(run_dir):
