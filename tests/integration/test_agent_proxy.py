@@ -8,6 +8,7 @@ import textwrap
 
 import aiohttp
 import numpy as np
+import openai
 import pytest
 
 from areal_like.agent import AgentProxy, OpenAIToolAgent, run_agent_group
@@ -17,7 +18,6 @@ from areal_like.data.dataset import PromptRecord
 from areal_like.engine.client import GenerationClient, GenerationResult
 
 pytestmark = pytest.mark.integration
-openai = pytest.importorskip("openai")
 
 # The user's agents: plain code against the `openai` SDK (+ aiohttp for /rl/set_reward); nothing from
 # areal_like. The random tiny model rarely calls tools, so ChatAgent feeds a tool result back itself.

@@ -139,3 +139,26 @@ def test_replay_reproduces_the_runs_losses_from_its_dump(tmp_path, demo_assets):
     (tmp_path / "empty" / "rollout0.jsonl").write_text("")
     rc, out = launcher_cli("replay", "--dump-dir", str(tmp_path / "empty"), "--run-dir", str(run_dir))
     assert rc == 2 and "lacks" in out and "rollout.dump_dir" in out
+
+
+def test_multi_turn_feedback_loop_through_launcher_run(tmp_path):
+    """`rollout.workflow=multi_turn`: a wrong answer gets the row's feedback turn (untrained) and another
+    try, up to rollout.multi_turn.max_assistant_turns — as the dump shows."""
+    data = tmp_path / "data"
+    _build("openai_agent", data)  # chat prompts with a numeric ground truth; the random model is wrong
+    run_dir = tmp_path / "run"
+    rc, out = launcher_cli("run", "--config", "examples/openai_agent/config.yaml", "--run-dir", str(run_dir),
+                           f"data.train_files=[{data}/train.parquet]", "rollout.workflow=multi_turn",
+                           "rollout.multi_turn.max_assistant_turns=2", "rollout.multi_turn.max_tokens_per_turn=8",
+                           "train.total_steps=2", "generation.n=2", "train.batch_size=2", "rollout.dump_dir=dump",
+                           "metrics.prometheus=false")
+    assert rc == 0, out[-3000:]
+    groups = _dump(run_dir / "dump")  # a relative dump_dir is inside the run directory
+    assert set(_trained(run_dir)) <= set(groups)
+    trajs = [t for g in groups.values() for t in g["trajectories"]]
+    retried = [t for t in trajs if sum(s["trained"] for s in t["segments"]) == 2]
+    assert retried, [t["segments"] for t in trajs[:3]]
+    for t in retried:
+        assert [s["trained"] for s in t["segments"]] == [True, False, True]
+        assert "#U:That is not right. Try again." in t["segments"][1]["text"]
+        assert t["finish_reason"] in ("stop", "length", "max_turns", "context_limit")
