@@ -1,4 +1,4 @@
-"""Command line: `launcher plan|run|replay|status|stop`.
+"""Command line: `launcher plan|run|replay|status|stop|sbatch|report`.
 
 Each sub-command lives in its own module; this file only parses arguments and dispatches, so that
 `launcher plan` never imports torch (the plan is pure and must answer instantly on a login node).
@@ -24,7 +24,11 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--allocation", default=None, help="allocation string (default: the config's `allocation`)")
     run.add_argument("--config", default="configs/demo.yaml", help="YAML experiment config")
     run.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and summary.json go")
-    run.add_argument("--backend", default="local", choices=["local"], help="where roles run")
+    run.add_argument("--backend", default=None, choices=["local", "ray"],
+                     help="where roles run: local processes, or Ray actors across nodes (default: launcher.backend)")
+    run.add_argument("--ray-address", default=None,
+                     help="Ray cluster address for --backend ray (default: launcher.ray.address, $RAY_ADDRESS, "
+                          "else a local cluster)")
     run.add_argument("overrides", nargs="*", help="config overrides, a.b.c=value")
 
     rep = sub.add_parser("replay", help="train the learner alone on a trajectory dump (rollout.dump_dir)")
@@ -39,9 +43,34 @@ def _build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="show the state of a run from its run directory")
     status.add_argument("--run-dir", required=True)
+    status.add_argument("--json", action="store_true",
+                        help="one JSON object: every role with its node, devices and (Ray) ray_node_id")
 
     stop = sub.add_parser("stop", help="stop a run started by `launcher run` (by its recorded PIDs)")
     stop.add_argument("--run-dir", required=True)
+
+    sb = sub.add_parser("sbatch", help="write (or submit) a Slurm batch script: a Ray cluster on the job's nodes, "
+                        "then `launcher run --backend ray`")
+    sb.add_argument("--allocation", required=True, help="e.g. 'sglang.d16p1m1+d8p2m1'")
+    sb.add_argument("--nodes", type=int, required=True, help="nodes of the job")
+    sb.add_argument("--devices-per-node", type=int, required=True, help="GPUs per node (--gpus-per-node)")
+    sb.add_argument("--config", required=True, help="YAML experiment config (path as seen from the job)")
+    sb.add_argument("--run-dir", default=None, help="run directory, on storage every node mounts")
+    sb.add_argument("--partition", default=None)
+    sb.add_argument("--time", default=None, help="Slurm time limit, e.g. 24:00:00")
+    sb.add_argument("--account", default=None)
+    sb.add_argument("--job-name", default=None)
+    sb.add_argument("--log", default=None, help="the job's output file (#SBATCH --output)")
+    sb.add_argument("--ray-port", type=int, default=6379, help="port of the Ray head (GCS) on the first node")
+    sb.add_argument("--ray-start-args", default=None, help="extra arguments for every `ray start`, one string")
+    sb.add_argument("--join-timeout", type=float, default=300.0, help="seconds for the Ray nodes to come up")
+    sb.add_argument("--output", default=None, help="write the script here (default: stdout)")
+    sb.add_argument("--submit", action="store_true", help="submit it with `sbatch`")
+    sb.add_argument("overrides", nargs="*", help="config overrides, a.b.c=value")
+
+    report = sub.add_parser("report", help="write report.html and its PNG figures into a run directory "
+                            "(finished, still going or cut off)")
+    report.add_argument("--run-dir", required=True)
     return p
 
 
@@ -75,6 +104,14 @@ def _dispatch(argv: list[str] | None) -> int:
         from launcher.run import cmd_stop
 
         return cmd_stop(args)
+    if args.command == "sbatch":
+        from launcher.sbatch import cmd_sbatch
+
+        return cmd_sbatch(args)
+    if args.command == "report":
+        from launcher.report import cmd_report
+
+        return cmd_report(args)
     return 2
 
 

@@ -14,6 +14,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from areal_like.api.net import free_port
+
 
 @dataclass
 class Role:
@@ -41,9 +43,49 @@ class Role:
 
 @dataclass
 class ProcessTable:
+    """The local backend: every role a process of this machine. `launcher.ray_procs.RayProcessTable`
+    answers the same questions (start, restart, stop, dead, host, free_port, device_env) on Ray."""
+
     run_dir: str
     roles: list[Role] = field(default_factory=list)
     services: dict[str, int] = field(default_factory=dict)  # started elsewhere (redis-server): name → pid
+    plan: object = None  # allocation.Placement: the devices of each server and learner rank
+    backend: str = "local"
+    bind_host: str = "127.0.0.1"
+
+    # ---- where a role runs (one node: this machine) -----------------------------------------------
+    def host(self, name: str) -> str:
+        """The address other roles reach `name` at."""
+        return self.bind_host
+
+    def free_port(self, name: str) -> int:
+        return free_port(self.bind_host)
+
+    def devices(self, name: str) -> tuple[int, ...]:
+        return role_devices(self.plan, name)
+
+    def device_env(self, name: str) -> dict[str, str]:
+        """CUDA_VISIBLE_DEVICES of a role with devices: the plan's, mapped through this machine's own
+        CUDA_VISIBLE_DEVICES when the launcher runs under one (plan device i = the i-th visible)."""
+        devs = self.devices(name)
+        if not devs:
+            return {}
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        ids = [visible[d] if d < len(visible) else str(d) for d in devs] if visible else [str(d) for d in devs]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
+
+    def placement(self, name: str) -> dict:
+        devs = self.devices(name)
+        return {"node": 0, "devices": list(devs), "node_ip": self.bind_host, "hostname": os.uname().nodename}
+
+    def reserve(self) -> None:
+        """Nothing to reserve on one machine."""
+
+    def check_shared_run_dir(self) -> None:
+        """One machine: the run directory is local."""
+
+    def close(self) -> None:
+        """Nothing held beyond the processes (ended by the run)."""
 
     def start(self, name: str, argv: list[str], env: dict[str, str], *, critical: bool = True) -> Role:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
@@ -59,11 +101,15 @@ class ProcessTable:
         self._record()
         return role
 
-    def _record(self) -> None:
+    def _record(self, extra: dict | None = None) -> None:
+        """pids.json: the launcher, every role's pid, and where each role runs (`launcher status`)."""
         pids = {r.name: r.pid for r in self.roles} | self.services
+        if extra is None:
+            extra = {"backend": "local", "placement": {r.name: self.placement(r.name) for r in self.roles}
+                     | {n: {"node": 0, "devices": [], "node_ip": self.bind_host} for n in self.services}}
         tmp = os.path.join(self.run_dir, "pids.json.tmp")
         with open(tmp, "w") as f:
-            json.dump({"launcher": os.getpid(), "roles": pids}, f)
+            json.dump({"launcher": os.getpid(), "roles": pids, **extra}, f)
         os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
 
     def restart(self, role: Role, extra_argv: list[str] = ()) -> Role:
@@ -141,3 +187,17 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def role_devices(plan, name: str) -> tuple[int, ...]:
+    """The plan's devices of a role: `server<i>` → its server's, `learner`/`learner<r>` → rank r's."""
+    if plan is None:
+        return ()
+    if name.startswith("server"):
+        i = int(name.removeprefix("server"))
+        return tuple(plan.servers[i].devices) if i < len(plan.servers) else ()
+    if name.startswith("learner"):
+        r = int(name.removeprefix("learner") or 0)
+        ranks = plan.ranks
+        return (ranks[r].device,) if r < len(ranks) else ()
+    return ()

@@ -28,7 +28,6 @@ import sys
 import time
 import urllib.request
 
-from areal_like.api.net import free_port
 from areal_like.api.run_files import Endpoints
 from launcher.procs import ProcessTable, Role, end_process_group
 
@@ -45,6 +44,10 @@ def _resolve(args):
     overrides = list(args.overrides or [])
     if args.allocation:
         overrides.append(f"allocation={args.allocation}")
+    if getattr(args, "backend", None):
+        overrides.append(f"launcher.backend={args.backend}")
+    if getattr(args, "ray_address", None):
+        overrides.append(f"launcher.ray.address={args.ray_address}")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -168,10 +171,16 @@ def cmd_run(args) -> int:
     return Run(cfg, alloc, run_dir, n_servers).execute()
 
 
+def _local_table(run_dir: str, alloc) -> ProcessTable:
+    from allocation import place
+
+    return ProcessTable(run_dir, plan=place(alloc))  # one node with exactly the devices the allocation needs
+
+
 class Run:
     def __init__(self, cfg, alloc, run_dir: str, n_servers: int):
         self.cfg, self.alloc, self.run_dir, self.n_servers = cfg, alloc, run_dir, n_servers
-        self.procs = ProcessTable(run_dir)
+        self.procs = _local_table(run_dir, alloc)  # `--backend ray`: replaced by `_place_on_ray` in execute()
         self.redis = None
         self._redis_url: str | None = None
         self._buffer = None  # read-only view for the progress line
@@ -199,52 +208,131 @@ class Run:
         except PreflightError as e:
             raise RunError(str(e)) from None
 
+    @property
+    def plan(self):
+        return self.procs.plan
+
+    def _place_on_ray(self) -> None:
+        """`--backend ray`: connect (or start a local cluster), place the allocation on its nodes, reserve
+        one placement group per node and check every node sees the run directory."""
+        from allocation import AllocationError, place
+
+        from launcher.ray_procs import RayBackendError, RayProcessTable, cluster_nodes, connect
+
+        rc = self.cfg.launcher.ray
+        log = lambda msg: print(f"[launcher] {msg}", flush=True)  # noqa: E731
+        try:
+            roles = self.n_servers + self.alloc.training.world_size + self.cfg.rollout.workers
+            started = connect(rc.address, devices_needed=self.alloc.total_devices, roles_needed=roles,
+                              device_resource=rc.device_resource,
+                              cpu_run=self.cfg.server.device == "cpu" and self.alloc.generation.backend == "embedded",
+                              log=log)
+            nodes = cluster_nodes(rc.device_resource)
+            if not nodes:
+                raise RayBackendError(f"no alive Ray node declares the device resource {rc.device_resource!r} "
+                                      "(launcher.ray.device_resource): start the nodes with --num-gpus (or "
+                                      f"--resources '{{\"{rc.device_resource}\": N}}')")
+            per_node = min(int(n["Resources"][rc.device_resource]) for n in nodes)
+            try:
+                plan = place(self.alloc, nodes=len(nodes), devices_per_node=per_node)
+            except AllocationError as e:
+                raise RayBackendError(f"allocation {self.cfg.allocation!r} does not fit the Ray cluster "
+                                      f"({len(nodes)} node(s) × {per_node} {rc.device_resource}):\n{e}") from None
+            table = RayProcessTable(self.run_dir, plan, nodes, n_rollouts=self.cfg.rollout.workers,
+                                    device_resource=rc.device_resource, placement_timeout_s=rc.placement_timeout_s,
+                                    call_timeout_s=rc.call_timeout_s, started_cluster=started)
+            self.procs = table
+            table.reserve()
+            table.check_shared_run_dir()
+        except RayBackendError as e:
+            raise RunError(str(e)) from None
+        log(f"Ray: {len(nodes)} node(s) × {per_node} {rc.device_resource}; placement groups "
+            + ", ".join(f"node {n} → {nodes[n]['NodeID'][:12]} ({nodes[n].get('NodeManagerAddress')})"
+                        for n in sorted(table.pgs)))
+
+    def _all_loopback(self) -> bool:
+        if self.procs.backend != "ray":
+            return True
+        from launcher.ray_procs import is_loopback
+
+        return all(is_loopback(n.get("NodeManagerAddress", "")) for n in self.procs.nodes)
+
     def _start_redis(self) -> str:
         if self.cfg.buffer.redis_url:
             return self.cfg.buffer.redis_url
         from areal_like.buffer.redis_server import RedisServer
 
-        self.redis = RedisServer(os.path.join(self.run_dir, "redis"))
+        host = "127.0.0.1"
+        if self.procs.backend == "ray":  # on the driver's (head) node, reachable from the others
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.redis = RedisServer(os.path.join(self.run_dir, "redis"), host=host)
         self.redis.start()
         self.procs.add_service("redis", self.redis.pid)
-        print(f"[launcher] redis-server pid {self.redis.pid} on 127.0.0.1:{self.redis.port} (AOF on)", flush=True)
+        print(f"[launcher] redis-server pid {self.redis.pid} on {host}:{self.redis.port} (AOF on)", flush=True)
         return self.redis.url
 
     def _child_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
         env["AREAL_LIKE_REDIS_URL"] = redis_url  # the password travels in the environment, not in files
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        lc = self.cfg.launcher
+        if lc.gloo_socket_ifname:
+            env["GLOO_SOCKET_IFNAME"] = lc.gloo_socket_ifname
+        elif self._all_loopback():
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if lc.nccl_socket_ifname:
+            env["NCCL_SOCKET_IFNAME"] = lc.nccl_socket_ifname
         env["PYTHONUNBUFFERED"] = "1"
         # Each role is one process on a shared CPU: keep torch from oversubscribing the cores.
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
-    def _start_sglang_servers(self, env) -> list[str]:
-        """Real SGLang, one server per generation DP replica, on this node's GPUs (single node)."""
-        from allocation import place
+    def _role_env(self, name: str, devices: bool = True) -> dict[str, str]:
+        """What differs per role: its devices (CUDA_VISIBLE_DEVICES from the plan) and, under Ray, the
+        address its own listeners (/metrics) bind to."""
+        env = dict(self.procs.device_env(name)) if devices else {}
+        if self.procs.backend == "ray":
+            from areal_like.metrics import BIND_HOST_ENV
 
+            env[BIND_HOST_ENV] = self.procs.host(name)
+        return env
+
+    def _start_sglang_servers(self, env) -> list[str]:
+        """Real SGLang, one server per generation DP replica, on the GPUs the plan gives it."""
         from areal_like.engine.sglang_args import build_sglang_servers, sglang_server_flags
 
-        cfg = self.cfg
-        plan = place(self.alloc)  # one node with exactly the devices the allocation needs
-        ports = [cfg.server.base_port + i if cfg.server.base_port else free_port() for i in range(self.n_servers)]
+        cfg, plan = self.cfg, self.plan
+        names = [f"server{i}" for i in range(self.n_servers)]
+        ports = [cfg.server.base_port + i if cfg.server.base_port else self.procs.free_port(n) for i, n in enumerate(names)]
+        ray = self.procs.backend == "ray"
+        node_hosts = None
+        if ray:  # each node's address, as its servers' actors report it
+            by_node = {self.procs.placement(n)["node"]: self.procs.host(n) for n in names}
+            node_hosts = [by_node.get(k, "127.0.0.1") for k in range(plan.nodes)]
         servers = build_sglang_servers(plan, model_path=cfg.model.path, ports=ports, seeds=cfg.seed,
                                        api_key=cfg.server.api_key, admin_api_key=cfg.server.admin_api_key,
-                                       host=cfg.server.host, supported_flags=sglang_server_flags(),
-                                       enable_metrics=cfg.metrics.prometheus, weight_update=cfg.weights.mode)
+                                       host=None if ray else cfg.server.host, node_hosts=node_hosts,
+                                       supported_flags=sglang_server_flags(), enable_metrics=cfg.metrics.prometheus,
+                                       weight_update=cfg.weights.mode, dtype=cfg.model.dtype,
+                                       mem_fraction_static=cfg.server.mem_fraction_static)
         roles = []
         for srv in servers:
             if srv.nnodes > 1:
-                raise RunError(f"sglang server {srv.index} spans {srv.nnodes} nodes; the local backend runs one node: "
-                               "use the slurm backend or a smaller t×p")
+                raise RunError(f"sglang server {srv.index} spans {srv.nnodes} nodes: a server's t×p devices must fit "
+                               "on one node (use a smaller t×p, or nodes with more devices)")
             (proc,) = srv.processes
-            roles.append(self.procs.start(f"server{srv.index}", list(proc.argv), {**env, **proc.env}))
+            argv = list(proc.argv)
+            if ray:  # its CUDA_VISIBLE_DEVICES holds exactly its devices: they start at 0
+                argv[argv.index("--base-gpu-id") + 1] = "0"
+            # Local: --base-gpu-id picks its first device, all visible. Ray: only its own are visible.
+            name = f"server{srv.index}"
+            roles.append(self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)}))
         for srv, role in zip(servers, roles):
             # Model load and CUDA-graph capture take minutes on real models.
             _wait_health(srv.url, max(cfg.server.health_timeout_s, 900.0), role, f"sglang server {srv.index}")
         self._server_devices = [srv.devices for srv in servers]
-        train_devices = [r.device for r in plan.ranks]
-        self._learner_device = f"cuda:{train_devices[0]}" if train_devices else "cuda:0"
+        self._learner_device = "cuda:0"  # each rank's CUDA_VISIBLE_DEVICES holds its plan device alone
         return [srv.url for srv in servers]
 
     def _start_servers(self, env) -> list[str]:
@@ -252,10 +340,15 @@ class Run:
         if self.alloc.generation.backend == "sglang":
             return self._start_sglang_servers(env)
         urls, roles = [], []
+        cuda = cfg.server.device.startswith("cuda")
         for i in range(self.n_servers):
-            port = cfg.server.base_port + i if cfg.server.base_port else free_port()
+            name = f"server{i}"
+            port = cfg.server.base_port + i if cfg.server.base_port else self.procs.free_port(name)
+            host = self.procs.host(name) if self.procs.backend == "ray" else cfg.server.host
             argv = [sys.executable, "-m", "areal_like.engine.server", "--model-path", cfg.model.path,
-                    "--host", cfg.server.host, "--port", str(port), "--device", cfg.server.device,
+                    "--host", host, "--port", str(port),
+                    # on CUDA its CUDA_VISIBLE_DEVICES holds the plan's device for it: cuda:0 inside
+                    "--device", "cuda:0" if cuda else cfg.server.device,
                     "--dtype", cfg.model.dtype, "--max-batch-size", str(cfg.server.max_batch_size),
                     "--max-context-len", str(cfg.server.max_context_len), "--weight-version", "0",
                     "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads)]
@@ -268,9 +361,12 @@ class Run:
                 if value is not None:
                     argv += [flag, str(value)]
             # Keys travel in the environment, not argv (/proc/<pid>/cmdline is readable by every user).
-            server_env = {**env, "AREAL_LIKE_API_KEY": sv.api_key or "", "AREAL_LIKE_ADMIN_API_KEY": sv.admin_api_key or ""}
-            roles.append(self.procs.start(f"server{i}", argv, server_env))
-            urls.append(f"http://{cfg.server.host}:{port}")
+            server_env = {**env, **self._role_env(name), "AREAL_LIKE_API_KEY": sv.api_key or "",
+                          "AREAL_LIKE_ADMIN_API_KEY": sv.admin_api_key or ""}
+            roles.append(self.procs.start(name, argv, server_env))
+            urls.append(f"http://{host}:{port}")
+        if cuda:
+            self._learner_device = "cuda:0"  # the learner trains on its own plan devices too
         for i, (url, role) in enumerate(zip(urls, roles)):
             _wait_health(url, cfg.server.health_timeout_s, role, f"generation server {i}")
         print(f"[launcher] {len(urls)} generation server(s) healthy: {' '.join(urls)}", flush=True)
@@ -283,6 +379,8 @@ class Run:
         prev_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._prepare_assets()
+            if self.cfg.launcher.backend == "ray":
+                self._place_on_ray()
             if not self.cfg.server.admin_api_key:  # only the learner (it reads config.json) may update weights
                 self.cfg.server.admin_api_key = secrets.token_urlsafe(32)
             # config.json holds the keys: owner-only, like the Redis password kept out of the run dir
@@ -298,15 +396,16 @@ class Run:
             sglang = self.alloc.generation.backend == "sglang"
             # metrics.prometheus=false: no role gets a metrics port (none serves /metrics).
             prom = self.cfg.metrics.prometheus
-            learner_metrics = free_port() if prom else None
-            rollout_ports = [free_port() if prom else None for _ in range(self.cfg.rollout.workers)]
+            learner_metrics = self.procs.free_port("learner") if prom else None
+            rollout_ports = [self.procs.free_port(f"rollout{k}") if prom else None for k in range(self.cfg.rollout.workers)]
             endpoints = Endpoints(
                 servers=urls,
                 metrics_ports={"learner": learner_metrics, **{f"rollout{k}": p for k, p in enumerate(rollout_ports)}}
                 if prom else {},
                 # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
                 weight_backend="nccl" if sglang else "gloo",
-                server_devices=self._server_devices, learner_device=self._learner_device)
+                server_devices=self._server_devices, learner_device=self._learner_device,
+                learner_host=self.procs.host("learner"))
             endpoints.dump(self.run_dir)
             self._write_prometheus_targets(urls, endpoints.metrics_ports)
             common = ["--run-dir", self.run_dir]
@@ -316,7 +415,7 @@ class Run:
             for k in range(self.cfg.rollout.workers):
                 port_arg = ["--metrics-port", str(rollout_ports[k])] if rollout_ports[k] else []
                 self.procs.start(f"rollout{k}", [sys.executable, "-m", "areal_like.rollout.worker", *common,
-                                                 "--index", str(k), *port_arg], env)
+                                                 "--index", str(k), *port_arg], {**env, **self._role_env(f"rollout{k}")})
             rc = self._supervise(t0)
         except RunError as e:
             print(f"launcher run: {e}", file=sys.stderr, flush=True)
@@ -340,6 +439,12 @@ class Run:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"[launcher] {summary['exit_reason']}: {json.dumps(summary)}", flush=True)
+            try:  # plots of the run, finished or cut off (`launcher report` makes it again at any time)
+                from areal_like.metrics.report import write_report
+
+                print(f"[launcher] report: {write_report(self.run_dir)}", flush=True)
+            except Exception as e:  # noqa: BLE001 — a report must not change the run's exit code
+                print(f"[launcher] report not written: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             print(f"[launcher] run directory: {self.run_dir}", flush=True)
         return rc
 
@@ -351,14 +456,21 @@ class Run:
             from areal_like.engine.sglang_args import TRAINER_WEIGHT_GROUP_ENV
 
             env.update(TRAINER_WEIGHT_GROUP_ENV)
-        env.update({"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-        weight_port = free_port()  # fresh per incarnation: a dead rank 0's port may linger
+        # Rank 0's node hosts the process group's store and the weight-update group's (fresh ports per
+        # incarnation: a dead rank 0's may linger).
+        env.update({"WORLD_SIZE": str(world), "MASTER_ADDR": self.procs.host("learner"),
+                    "MASTER_PORT": str(self.procs.free_port("learner"))})
+        weight_port = self.procs.free_port("learner")
+        on_node: dict[int, int] = {}
         for rank in range(world):
+            name = _learner_role(rank)
             argv = [sys.executable, "-m", "areal_like.learner.main", "--run-dir", self.run_dir,
                     "--incarnation", str(incarnation), "--weight-sync-port", str(weight_port)]
             if rank == 0 and self._learner_metrics_port:
                 argv += ["--metrics-port", str(self._learner_metrics_port)]
-            self.procs.start(_learner_role(rank), argv, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            node = self.procs.placement(name).get("node", 0)
+            local_rank = on_node[node] = on_node.get(node, -1) + 1  # rank among the learner ranks of its node
+            self.procs.start(name, argv, {**env, **self._role_env(name), "RANK": str(rank), "LOCAL_RANK": str(local_rank)})
         self._incarnation = incarnation
 
     def _restart_learners(self, dead: Role) -> None:
@@ -493,7 +605,7 @@ class Run:
             return
         targets = [{"targets": [u.split("://", 1)[1]], "labels": {"role": f"server{i}", "run": os.path.basename(self.run_dir)}}
                    for i, u in enumerate(urls)]
-        targets += [{"targets": [f"127.0.0.1:{p}"], "labels": {"role": name, "run": os.path.basename(self.run_dir)}}
+        targets += [{"targets": [f"{self.procs.host(name)}:{p}"], "labels": {"role": name, "run": os.path.basename(self.run_dir)}}
                     for name, p in ports.items()]
         with open(os.path.join(self.run_dir, "prometheus_targets.json"), "w") as f:
             json.dump(targets, f, indent=1)
@@ -583,6 +695,7 @@ class Run:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        self.procs.close()  # Ray: this run's actors and placement groups (nothing else on the cluster)
 
 
 RESTART_KINDS = ("learner", "server", "rollout", "redis")
@@ -593,25 +706,62 @@ def _learner_role(rank: int) -> str:
     return "learner" if rank == 0 else f"learner{rank}"
 
 
+def status_record(run_dir: str) -> dict:
+    """`launcher status --json`: every role with its pid, node, devices and (Ray) its ray_node_id, the
+    last step and summary.json — from the run directory, so it also answers after the run ended."""
+    with open(os.path.join(run_dir, "pids.json")) as f:
+        pids = json.load(f)
+    placement = pids.get("placement", {})
+    launcher_alive = bool(pids.get("launcher")) and os.path.exists(f"/proc/{pids['launcher']}")
+    ended = os.path.exists(os.path.join(run_dir, "summary.json"))
+    roles = []
+    for name in dict.fromkeys([*pids["roles"], *placement]):
+        pid = pids["roles"].get(name)
+        where = placement.get(name, {})
+        if pids.get("backend", "local") == "local":
+            state = "running" if pid and os.path.exists(f"/proc/{pid}") else "ended"
+        else:  # pids on other nodes: the launcher's record is the truth (it ends every role with the run)
+            state = "ended" if ended or not launcher_alive else ("running" if pid else "not started")
+        roles.append({"name": name, "pid": pid, "state": state, **where})
+    out = {"run_dir": os.path.abspath(run_dir), "backend": pids.get("backend", "local"), "launcher_pid": pids.get("launcher"),
+           "launcher_running": launcher_alive, "roles": roles}
+    if "ray_run_id" in pids:
+        out["ray_run_id"] = pids["ray_run_id"]
+        out["placement_groups"] = pids.get("placement_groups", [])
+    rows = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if rows:
+        r = rows[-1]
+        out["last_step"] = {"step": r["step"], "version": r["version"], "reward_mean": r["reward_mean"]}
+    if ended:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            out["summary"] = json.load(f)
+    return out
+
+
 def cmd_status(args) -> int:
     run_dir = args.run_dir
     pids_path = os.path.join(run_dir, "pids.json")
     if not os.path.exists(pids_path):
         print(f"launcher status: {run_dir} has no pids.json: is it a run directory of `launcher run`?", file=sys.stderr)
         return 2
-    with open(pids_path) as f:
-        pids = json.load(f)
-    for name, pid in pids["roles"].items():
-        alive = os.path.exists(f"/proc/{pid}")
-        print(f"{name:12s} pid {pid:7d} {'running' if alive else 'ended'}")
-    rows = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    if rows:
-        r = rows[-1]
+    rec = status_record(run_dir)
+    if getattr(args, "json", False):
+        print(json.dumps(rec))
+        return 0
+    print(f"backend {rec['backend']}  launcher pid {rec['launcher_pid']} "
+          f"{'running' if rec['launcher_running'] else 'ended'}")
+    for r in rec["roles"]:
+        devs = ",".join(str(d) for d in r.get("devices", [])) or "-"
+        where = f"node {r.get('node', 0)} ({r.get('node_ip', '?')}) devices {devs}"
+        if r.get("ray_node_id"):
+            where += f" ray node {r['ray_node_id'][:12]}"
+        pid = r["pid"] if r["pid"] is not None else 0
+        print(f"{r['name']:12s} pid {pid:7d} {where}  {r['state']}")
+    if "last_step" in rec:
+        r = rec["last_step"]
         print(f"step {r['step']}  version {r['version']}  reward {r['reward_mean']:.3f}")
-    summ = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summ):
-        with open(summ) as f:
-            print("summary:", f.read().strip())
+    if "summary" in rec:
+        print("summary:", json.dumps(rec["summary"]))
     return 0
 
 
@@ -629,6 +779,12 @@ def cmd_stop(args) -> int:
         deadline = time.monotonic() + 60
         while os.path.exists(f"/proc/{lp}") and time.monotonic() < deadline:
             time.sleep(0.2)
+        return 0
+    if pids.get("backend", "local") == "ray":
+        # The pids are on the cluster's nodes, not here: Ray ended the run's actors with their driver (the
+        # launcher), and each role's watchdog ended its process with its actor.
+        print(f"launcher stop: the launcher of {args.run_dir} is gone; under Ray its actors and roles ended with it",
+              file=sys.stderr)
         return 0
     for name, pid in pids["roles"].items():
         end_process_group(pid, None, 10.0)  # only ends groups we created (pgid == pid), redis included

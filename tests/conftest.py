@@ -5,6 +5,11 @@ def pytest_configure(config):
     import tempfile
 
     os.environ.setdefault("AREAL_LIKE_CACHE", tempfile.mkdtemp(prefix="areal_like-test-cache-"))
+    # Ray reads this when imported: a cluster on 127.0.0.1 stays on loopback (no interface address).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray ≥ 2.5x turns token auth on for a new local cluster and saves the token in ~/.ray: tests must
+    # neither write the user's home nor depend on which test started a cluster first.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 # ---- redis_server: one real redis-server per test module (buffer/gate engineer) -------------------

@@ -159,6 +159,8 @@ class ServerConfig(_Section):
     """Largest request body an embedded server reads (MiB); a bigger one is a 413, refused before it is parsed."""
     max_queued_tokens: int | None = None
     """Prompt + max_new_tokens of all samples an embedded server holds at once (tokens); past it a request gets 429; None = 16 × max_batch_size × max_context_len."""
+    mem_fraction_static: float | None = None
+    """SGLang servers: fraction of each GPU's memory for weights and KV cache (`--mem-fraction-static`, in (0, 1)); None = SGLang's default. SGLang gets the model dtype from `model.dtype`."""
 
 
 class BufferConfig(_Section):
@@ -373,7 +375,34 @@ class RestartBudgets(_Section):
     times per run."""
 
 
+class RayLauncherConfig(_Section):
+    address: str | None = None
+    """Ray cluster to run on (`host:port` of `ray start --head`, or `auto`); `--ray-address` sets it;
+    None = $RAY_ADDRESS, else a local Ray cluster started for this run (and ended with it)."""
+    device_resource: str = "GPU"
+    """The Ray resource that counts a node's devices: every node declaring it takes part, in the order
+    the driver's node first, then by address. A local cluster started on a machine without GPUs for
+    a CPU run (server.device=cpu) declares as many as the allocation needs."""
+    placement_timeout_s: float = 120.0
+    """Seconds to wait for the run's placement groups (one per node) before failing with what is
+    missing."""
+    call_timeout_s: float = 60.0
+    """Seconds one launcher → role-actor call (start, poll, stop) may take before it names the actor
+    and its node in an error."""
+
+
 class LauncherConfig(_Section):
+    backend: Literal["local", "ray"] = "local"
+    """Where roles run: `local` = processes of this machine; `ray` = Ray actors on the nodes of a Ray
+    cluster, one placement group per node (`launcher.ray.*`); `--backend` sets it."""
+    ray: RayLauncherConfig = msgspec.field(default_factory=RayLauncherConfig)
+    """The Ray backend (`launcher.ray.*`)."""
+    gloo_socket_ifname: str | None = None
+    """GLOO_SOCKET_IFNAME of every role (the interface gloo groups use between nodes); None = `lo`
+    while every role is on loopback, else gloo's choice (the interface of the host name)."""
+    nccl_socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME of every role (NCCL's bootstrap interface, e.g. `ib0` or `eth0`); None =
+    NCCL's choice."""
     max_restarts: RestartBudgets = msgspec.field(default_factory=RestartBudgets)
     """Restart budgets per role; past a budget the run stops, naming the role, its exit code and its
     log tail. Every restart is listed in summary.json (`restarts`)."""
@@ -381,10 +410,32 @@ class LauncherConfig(_Section):
     """On Ctrl-C/stop, how long the learner may take to finish its step, checkpoint and commit."""
 
 
+class WandbConfig(_Section):
+    project: str = "areal_like"
+    """W&B project the learner's run is logged to (with `wandb` in `metrics.loggers`)."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """`online` = streamed to the W&B server (needs `wandb login` or $WANDB_API_KEY); `offline` = written
+    under `metrics.wandb.dir`/wandb/ only (upload later with `wandb sync`); `disabled` = nothing."""
+    entity: str | None = None
+    """W&B entity (user or team); None = your default entity."""
+    name: str | None = None
+    """Display name of the W&B run (also its group); None = the run directory's name. A learner
+    restarted by the launcher logs a new W&B run `<name>-restart<k>` in the same group."""
+    dir: str | None = None
+    """Directory under which W&B keeps its files (`<dir>/wandb/…`); None = the run directory."""
+
+
 class MetricsConfig(_Section):
     prometheus: bool = True
     """Each role serves /metrics on its own port (listed in the run dir's prometheus_targets.json);
     false = no role serves /metrics and no targets are written."""
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = msgspec.field(default_factory=lambda: ["jsonl"])
+    """Experiment trackers fed by learner rank 0, one row per step under the same keys (`train/…`,
+    `rollout/…`, `val/…`, `perf/…`, `buffer/…`) plus the resolved config once: `tensorboard` = event
+    files in `<run_dir>/tensorboard/`; `wandb` = a W&B run (`metrics.wandb.*`). `jsonl` (metrics.jsonl)
+    is always written, listed or not: the launcher, `launcher report` and resumed learners read it."""
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    """Weights & Biases settings, used when `wandb` is in `metrics.loggers` (`metrics.wandb.*`)."""
 
 
 class ExperimentConfig(_Section):
@@ -421,7 +472,7 @@ class ExperimentConfig(_Section):
     weights: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     """Weight sync from the learner to the servers (`weights.*`)."""
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
-    """Prometheus metrics (`metrics.*`)."""
+    """Prometheus metrics and experiment trackers: TensorBoard, W&B (`metrics.*`)."""
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
     """Supervision by `launcher run` (`launcher.*`)."""
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
@@ -459,6 +510,12 @@ class ExperimentConfig(_Section):
             raise ConfigError("rollout.multi_turn.max_tool_response_tokens must be ≥ 1")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
+        mf = self.server.mem_fraction_static
+        if mf is not None and not 0.0 < mf < 1.0:
+            raise ConfigError(f"server.mem_fraction_static={mf}: use a fraction in (0, 1), e.g. 0.8, or null for SGLang's default")
+        for key in ("placement_timeout_s", "call_timeout_s"):
+            if getattr(self.launcher.ray, key) <= 0:
+                raise ConfigError(f"launcher.ray.{key}={getattr(self.launcher.ray, key)}: use a positive number of seconds")
         if self.launcher.max_restarts.learner > 0 and self.train.save_freq <= 0:
             raise ConfigError("launcher.max_restarts.learner needs checkpoints to restart from: set train.save_freq=1 "
                               "(or larger)")

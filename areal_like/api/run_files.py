@@ -24,12 +24,16 @@ class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     servers: list[str]
     """Base URLs of the generation servers, in data-parallel order."""
     metrics_ports: dict[str, int] = msgspec.field(default_factory=dict)
-    """role name → its /metrics port on 127.0.0.1."""
+    """role name → its /metrics port (on its node's address, `prometheus_targets.json`)."""
     weight_backend: str = "gloo"
     """torch.distributed backend of the weight-update group: nccl (SGLang on GPUs) or gloo."""
     server_devices: list[int] | None = None
     """Devices (= ranks in the weight-update group) of each server; None = one rank per server."""
     learner_device: str = "cpu"
+    """torch device of every learner rank; on CUDA each rank's CUDA_VISIBLE_DEVICES holds its own
+    device from the plan, so this is `cuda:0` for all of them."""
+    learner_host: str = "127.0.0.1"
+    """Address of learner rank 0's node: it hosts the weight-update group's store there."""
 
     def dump(self, run_dir: str) -> None:
         tmp = os.path.join(run_dir, ENDPOINTS_FILE + ".tmp")

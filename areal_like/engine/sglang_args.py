@@ -138,6 +138,7 @@ def build_sglang_servers(
     host: str | None = None,
     dist_init_ports: Sequence[int] | None = None,
     mem_fraction_static: float | None = None,
+    dtype: str | None = None,
     weight_update: WeightUpdate = "distributed",
     weight_version: str = "0",
     extra_args: Sequence[str] = (),
@@ -215,6 +216,8 @@ def build_sglang_servers(
             if not 0.0 < mem_fraction_static < 1.0:
                 raise SGLangArgsError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
             common += ["--mem-fraction-static", repr(float(mem_fraction_static))]
+        if dtype is not None:  # the learner's dtype: weights pushed to the server arrive in it
+            common += ["--dtype", dtype]
         if api_key:
             common += ["--api-key", api_key]
         if admin_api_key:

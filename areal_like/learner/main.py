@@ -14,7 +14,7 @@
     ├─ bump the policy version v (only now: the new weights are on every server) → frees the gate
     ├─ request a validation of v every train.test_freq steps (rollout0 runs it while we train on)
     ├─ checkpoint (every train.save_freq steps), then commit the covered entries: ack + trained set
-    └─ report: metrics.jsonl row, Prometheus
+    └─ report: metrics.jsonl row, Prometheus, the trackers of metrics.loggers (TensorBoard, W&B)
 
 Exactly once (DESIGN invariant 4): entries are committed (acked, recorded as trained) only after a
 checkpoint that contains their update, so a crash replays exactly the updates the restored model
@@ -99,6 +99,7 @@ class Coordinator:
         self.evals = EvalChannel.from_buffer(self.buffer) if cfg.data.val_files else None
         self.eval_pending: int | None = None  # version whose validation was requested, not collected
         self.held_row: StepMetrics | None = None  # that step's metrics row, written with the results
+        self.held_extra: dict = {}  # the trackers' buffer_* values of the held row's step
         self.carry_val: dict[str, float] = {}  # results of version 0 (val_before_train), for step 1's row
         self.redo: list = []
         self.uncommitted: list[tuple[str, str]] = []  # (entry id, group id) trained, not yet committed
@@ -107,6 +108,9 @@ class Coordinator:
         # alias the live parameters, unchanged until the next train step (the next push replaces them).
         self.pushed: tuple[list, int] | None = None
         self.seen_restarts = 0  # buffer.restarts("server") when the servers were last known in sync
+        from areal_like.metrics.loggers import make_loggers
+
+        self.loggers = make_loggers(cfg, run_dir, incarnation, on_error=_log)  # TensorBoard, W&B (rank 0 only)
 
     async def start(self, extra: dict | None, version: int, layout, n_servers: int, tensors: list) -> None:
         """Recover the buffer, set up weight sync and make every server serve `tensors` as `version`:
@@ -126,7 +130,7 @@ class Coordinator:
         if held is not None:  # the previous learner died before writing it (waiting for its validation)
             self.held_row = msgspec.convert(json.loads(held), StepMetrics)
             if self.evals is None:  # no validation any more (data.val_files unset on resume): write it as is
-                append_metrics(self.run_dir, self.held_row)
+                self._write_row(self.held_row)
                 self.held_row = None
         resync = None
         try:
@@ -294,7 +298,7 @@ class Coordinator:
             else:  # version 0 (train.val_before_train): no step produced it; it goes into step 1's row
                 self.carry_val = res
         if self.held_row is not None:
-            append_metrics(self.run_dir, self.held_row)
+            self._write_row(self.held_row, self.held_extra)
             self.held_row = None
 
     # ---- report --------------------------------------------------------------------------------------
@@ -314,10 +318,12 @@ class Coordinator:
             optimizer_steps=stats["optimizer_steps"], loss_tokens=stats["loss_tokens"], skipped=stats["skipped"],
             incarnation=self.incarnation, reward_failures=buffer_stats.get("reward_failures", {}), val=self.carry_val)
         self.carry_val = {}
+        # buffer state for the trackers (`buffer/…`); metrics.jsonl rows carry what StepMetrics has
+        extra = {f"buffer_{k}": buffer_stats[k] for k in ("depth", "pending", "oldest_age_s") if k in buffer_stats}
         if self.eval_pending == version:
-            self.held_row = row
+            self.held_row, self.held_extra = row, extra
         else:
-            append_metrics(self.run_dir, row)
+            self._write_row(row, extra)
         M.POLICY_VERSION.set(version)
         M.LEARNER_STEP.set(step)
         M.STEP_SECONDS.observe(stats["step_s"])
@@ -332,11 +338,17 @@ class Coordinator:
             M.STALENESS.observe(s)
         M.TRAINED_TOKENS.inc(stats["loss_tokens"])
 
+    def _write_row(self, row: StepMetrics, extra: dict | None = None) -> None:
+        """A step's row: metrics.jsonl (always), then every tracker of `metrics.loggers`."""
+        append_metrics(self.run_dir, row)
+        self.loggers.log_row({**(extra or {}), **row.to_row()})
+
     async def close(self, stopped: bool, step: int, version: int, *, saved: bool) -> None:
         if stopped:
             _log(f"stopped after step {step} (version {version})" + ("; checkpoint saved and committed" if saved else ""))
         else:
             _log(f"done: {step} steps, final version {version}")
+        self.loggers.close()
         await self.pusher.close()
         self.buffer.close()
 

@@ -7,6 +7,8 @@ mutable global state besides prometheus_client's registry, which is per process.
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -99,9 +101,15 @@ def set_val_metrics(results: dict[str, float]) -> None:
             continue
 
 
-def serve(port: int, host: str = "127.0.0.1") -> None:
-    """Expose this process's metrics at http://host:port/metrics (a daemon thread)."""
-    start_http_server(port, addr=host, registry=REGISTRY)
+BIND_HOST_ENV = "AREAL_LIKE_BIND_HOST"
+"""The address a role binds its own listeners to (/metrics): set by the launcher to the role's node
+address under `--backend ray` (Prometheus scrapes it from another node); 127.0.0.1 otherwise."""
+
+
+def serve(port: int, host: str | None = None) -> None:
+    """Expose this process's metrics at http://host:port/metrics (a daemon thread); `host` defaults
+    to $AREAL_LIKE_BIND_HOST, else 127.0.0.1."""
+    start_http_server(port, addr=host or os.environ.get(BIND_HOST_ENV) or "127.0.0.1", registry=REGISTRY)
 
 
 # --- tools (agentic RLVR: areal_like/tools) ----------------------------------------------------

@@ -28,7 +28,7 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
         if devices is not None:  # per server: a device count, or its device list (count = its length)
             devices = [len(d) if isinstance(d, (list, tuple)) else int(d) for d in devices]
         return WeightPusher(
-            endpoints.servers, master_addr="127.0.0.1", master_port=weight_port,
+            endpoints.servers, master_addr=endpoints.learner_host, master_port=weight_port,
             backend=endpoints.weight_backend, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
             timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
             devices_per_server=devices, group_name=f"weight_update_group_{incarnation}",

@@ -1,7 +1,7 @@
 """Per-rank entry of the learner pool, and a fixed-batch runner (tests, golden file, benchmark).
 
     init_pool_from_env()   torch.distributed from the usual env (RANK, WORLD_SIZE, MASTER_ADDR,
-                           MASTER_PORT; LOCAL_RANK picks the CUDA device) — gloo on CPU, NCCL on CUDA
+                           MASTER_PORT; the CUDA device is the one passed) — gloo on CPU, NCCL on CUDA
     synthetic_groups()     deterministic TrajectoryGroups (random tokens and behaviour logprobs)
 
 `python -m areal_like.learner.parallel.spawn --model M --layout d2 --steps N ...` runs N train
@@ -37,7 +37,10 @@ def init_pool_from_env(timeout_s: float = 300.0, device: str = "cpu") -> int:
         return dist.get_rank() if dist.is_initialized() else 0
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # The device the launcher gives this rank (its CUDA_VISIBLE_DEVICES holds the plan's device for
+        # it alone, so this is cuda:0) — never LOCAL_RANK, which would land every rank of a node on the
+        # first devices of that node, the generation servers' ones.
+        torch.cuda.set_device(torch.device(device))
     from areal_like.weights.group import bound_listen_fd
 
     rank, timeout = int(os.environ["RANK"]), datetime.timedelta(seconds=timeout_s)

@@ -1,0 +1,208 @@
+"""`launcher run --backend ray` on a real two-node Ray cluster (two raylets on this machine, loopback).
+
+Each node declares 2 GPUs as a Ray resource (logical: the embedded engine and the learner run on
+CPU, gloo), so `embedded.d2p1t1+d2p1t1` is placed as `launcher plan --nodes 2 --devices-per-node 2`
+prints it: both servers on node 0, both learner ranks on node 1. The tests check the run against
+that plan role by role (node, devices, the Ray node each role's actor reports), that killing actors
+mid-run is survived with nothing trained twice, and that the run leaves no actor or placement group
+behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# Read by Ray when it is imported: keep a loopback cluster on loopback (see RAY_ENV).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray", reason="the `ray` extra (scripts/setup.sh installs it)")
+
+from conftest import launcher_cli, launcher_finish, launcher_spawn  # noqa: E402
+from run_audit import effective_history  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ALLOC = "embedded.d2p1t1+d2p1t1"
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes on 127.0.0.1 (2 GPUs and 8 CPUs each, logical); this process is a driver too."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(node_ip_address="127.0.0.1", num_cpus=8, num_gpus=2,
+                                                                include_dashboard=False))
+    try:
+        cluster.add_node(node_ip_address="127.0.0.1", num_cpus=8, num_gpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, _node_ip_address="127.0.0.1", namespace="areal_like", log_to_driver=False)
+        yield cluster.address
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+
+
+def _run_argv(address: str, run_dir, model, data, *overrides: str) -> list[str]:
+    return ["run", "--config", "configs/demo.yaml", "--backend", "ray", "--ray-address", address,
+            "--allocation", ALLOC, "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
+            *overrides]
+
+
+def _assert_nothing_left(run_dir) -> None:
+    """No placement group of the run is alive, no actor of the run is left (named `<run id>:<role>`)."""
+    pids = json.loads((run_dir / "pids.json").read_text())
+    run_id = pids["ray_run_id"]
+    table = ray.util.placement_group_table()
+    ours = {v["name"]: v["state"] for v in table.values() if v["name"].startswith(run_id + ":")}
+    assert set(ours) == set(pids["placement_groups"]) and len(ours) == 2, ours
+    assert all(state == "REMOVED" for state in ours.values()), ours
+    left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(run_id + ":")]
+    assert not left, left
+
+
+def _plan() -> dict:
+    out = subprocess.run([sys.executable, "-m", "launcher", "plan", "--allocation", ALLOC, "--nodes", "2",
+                          "--devices-per-node", "2", "--json"], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_ray_run_learns_on_two_nodes_where_the_plan_says(tmp_path, demo_assets, ray_cluster):
+    model, data = demo_assets
+    run_dir = tmp_path / "run"
+    rc, out = launcher_cli(*_run_argv(ray_cluster, run_dir, model, data, "train.total_steps=120"),
+                           env=RAY_ENV, timeout=400)
+    assert rc == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_reason"] == "completed" and summary["steps"] == 120, summary
+    assert summary["reward_last"] > 0.3 and summary["reward_last"] > summary["reward_first"] + 0.2, summary
+
+    # every role ran on the node and devices `launcher plan` printed for it
+    rc, text = launcher_cli("status", "--run-dir", str(run_dir), "--json")
+    assert rc == 0, text
+    status = json.loads(text)
+    assert status["backend"] == "ray" and not status["launcher_running"]
+    roles = {r["name"]: r for r in status["roles"]}
+    plan = _plan()
+    expected = {f"server{s['index']}": (s["nodes"][0], s["devices"]) for s in plan["generation"]["servers"]}
+    expected |= {("learner" if r["rank"] == 0 else f"learner{r['rank']}"): (r["node"], [r["device"]])
+                 for r in plan["training"]["ranks"]}
+    for name, (node, devices) in expected.items():
+        got = roles[name]
+        assert (got["node"], got["devices"]) == (node, devices), (name, got)
+        assert got["ray_gpu_ids"] == devices, (name, got)  # the node is ours: Ray's ids are the plan's
+        assert got["state"] == "ended" and got["pid"] > 0
+    # plan node → one Ray node, the same for every role on it; two distinct Ray nodes
+    by_node = {}
+    for name in expected:
+        by_node.setdefault(roles[name]["node"], set()).add(roles[name]["ray_node_id"])
+    assert all(len(ids) == 1 for ids in by_node.values()) and len(set().union(*by_node.values())) == 2, by_node
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert set().union(*by_node.values()) <= alive
+    assert roles["rollout0"]["ray_node_id"] in alive
+    # Prometheus targets: every role on its node's address
+    targets = json.loads((run_dir / "prometheus_targets.json").read_text())
+    assert {t["labels"]["role"] for t in targets} == {"server0", "server1", "learner", "rollout0"}
+    # each role's log gathered into the run directory
+    for name in [*expected, "rollout0"]:
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
+    _assert_nothing_left(run_dir)
+
+
+def _wait(cond, proc, deadline, what):
+    while not cond():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = proc.communicate()[0] if proc.poll() is not None else ""
+            pytest.fail(f"{what}: launcher {'exited' if proc.poll() is not None else 'timed out'}\n{out[-4000:]}")
+        time.sleep(0.1)
+
+
+def _steps(run_dir) -> int:
+    p = run_dir / "metrics.jsonl"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+def test_ray_run_survives_killed_server_and_learner_actors(tmp_path, demo_assets, ray_cluster):
+    """ray.kill of server1's actor, then of learner rank 1's: the server is replaced on its bundle and
+    re-synced, the learner pool restarts from its checkpoint; nothing is trained twice."""
+    model, data = demo_assets
+    run_dir = tmp_path / "run"
+    steps = 30
+    proc = launcher_spawn(*_run_argv(ray_cluster, run_dir, model, data, f"train.total_steps={steps}",
+                                     "train.save_freq=1", "launcher.max_restarts.learner=1",
+                                     "launcher.max_restarts.server=1", "weights.timeout_s=30"), env=RAY_ENV)
+    try:
+        deadline = time.monotonic() + 400
+        killed = []
+        for name, at_step in (("server1", 5), ("learner1", 14)):
+            _wait(lambda: _steps(run_dir) >= at_step, proc, deadline, f"step {at_step}")
+            pids = json.loads((run_dir / "pids.json").read_text())
+            old_pid = pids["roles"][name]
+            ray.kill(ray.get_actor(f"{pids['ray_run_id']}:{name}", namespace="areal_like"), no_restart=True)
+            killed.append(name)
+            _wait(lambda: json.loads((run_dir / "pids.json").read_text())["roles"].get(name) not in (None, old_pid),
+                  proc, deadline, f"{name} restarted")
+        rc, out = launcher_finish(proc, timeout=max(10.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert rc == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_reason"] == "completed" and summary["final_version"] == steps, summary
+    assert summary["restart_counts"] == {"learner": 1, "server": 1, "rollout": 0, "redis": 0}, summary
+    assert [r["role"] for r in summary["restarts"]] == killed, summary["restarts"]
+    assert all(r["exit_code"] == -9 for r in summary["restarts"]), summary["restarts"]  # an actor killed = SIGKILL
+    history = effective_history(str(run_dir / "trained.jsonl"))
+    trained = [g for _, g in history]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert sorted({s for s, _ in history}) == list(range(1, steps + 1))
+    assert "re-formed the weight group" in (run_dir / "logs" / "learner.log").read_text()
+    # the replacement server ran in the same bundle: same node and devices as the plan's
+    status = json.loads(launcher_cli("status", "--run-dir", str(run_dir), "--json")[1])
+    server1 = next(r for r in status["roles"] if r["name"] == "server1")
+    assert (server1["node"], server1["devices"]) == (0, [1]), server1
+    _assert_nothing_left(run_dir)
+
+
+def test_ray_allocation_too_big_for_the_cluster_names_it(tmp_path, demo_assets, ray_cluster):
+    model, data = demo_assets
+    rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--backend", "ray", "--ray-address", ray_cluster,
+                           "--allocation", "embedded.d4p1t1+d2p1t1", "--run-dir", str(tmp_path / "run"),
+                           f"model.path={model}", f"data.train_files=[{data}]", env=RAY_ENV, timeout=120)
+    assert rc == 1, out
+    assert "does not fit the Ray cluster (2 node(s) × 2 GPU)" in out, out
+
+
+def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path, demo_assets):
+    """No --ray-address and no $RAY_ADDRESS: a local Ray cluster for the run (2 logical devices for the
+    CPU run), ended with it."""
+    model, data = demo_assets
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | RAY_ENV
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", "--config", "configs/demo.yaml", "--backend", "ray",
+                             "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
+                             "train.total_steps=6"], cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = launcher_finish(proc, timeout=300)[1]
+    assert proc.returncode == 0, out[-4000:]
+    assert "local Ray cluster: no GPU here; 2 logical device(s) declared for the CPU run" in out, out[-3000:]
+    status = json.loads(launcher_cli("status", "--run-dir", str(run_dir), "--json")[1])
+    assert status["backend"] == "ray" and len({r["ray_node_id"] for r in status["roles"] if r.get("ray_node_id")}) == 1
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+    # the cluster it started ended with it: nothing is left in the launcher's session
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == proc.pid:
+                left.append(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200])
+        except (OSError, ProcessLookupError):
+            continue
+    assert not left, left
