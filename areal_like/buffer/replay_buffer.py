@@ -23,7 +23,9 @@ MAXLEN trimming), so a learner that crashes between read and commit loses nothin
 entry ends as exactly one of acked / dropped:<reason>, so `consumed = acked + Σ dropped + pending`.
 
 Consume-time staleness policy (`filter_stale(policy=…)`, DESIGN invariant 3): "drop" acks the stale
-groups as dropped:stale; "keep" trains them anyway and counts them as stale_kept. Other drop reasons:
+groups as dropped:stale; "keep" trains them anyway and counts them as stale_kept. Which groups are
+stale, and the ack script that credits the gate for them, belong to buffer/staleness.py (the one
+owner of the staleness policy); this class only does the I/O. Other drop reasons:
 malformed (undecodable, foreign or wrong-schema entry: acked, counted, skipped — never raised),
 duplicate (a group id this consumer already holds, e.g. re-added after a Redis restart while the
 learner trained the original), already_trained (its group id is in the trained set).
@@ -80,14 +82,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from areal_like.api.config import BufferConfig
 from areal_like.api.trajectory import TrajectoryGroup, decode_group, encode_group
 from areal_like.buffer import scripts
+from areal_like.buffer import staleness as stale_policy
 from areal_like.buffer.redis_client import Call, Cmd, OpGen, RedisCallError, RedisCallTimeout, RedisEndpoint, Sleep
+from areal_like.buffer.staleness import StalePolicy, split_stale, staleness  # noqa: F401  (re-exported)
 from areal_like.metrics import (
     BUFFER_ADDED,
     BUFFER_CONSUMED,
@@ -103,7 +107,6 @@ from areal_like.metrics import (
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, TrajectoryGroup]  # (stream entry id, group)
-StalePolicy = Literal["drop", "keep"]
 
 _ACK_CHUNK = 512  # ids per ACK script call: keeps one script call (which blocks Redis) short
 _COMMIT_CHUNK = 256  # (entry id, group id) pairs per COMMIT script call
@@ -118,24 +121,6 @@ class BufferFullTimeout(RedisCallTimeout):
 class CheckpointBehindBuffer(RuntimeError):
     """The buffer committed a learner step newer than the checkpoint being resumed: the groups of the
     steps in between were acked but are not in the model. Resume from the newest checkpoint."""
-
-
-def staleness(group: TrajectoryGroup, current_version: int) -> int:
-    """Policy versions between the group's oldest generated token and the learner's version.
-
-    A group without generated tokens (min_version −1) has staleness 0: no policy is behind it.
-    """
-    mv = group.min_version
-    return 0 if mv < 0 else current_version - mv
-
-
-def split_stale(entries: Iterable[Entry], current_version: int, max_staleness: int) -> tuple[list[Entry], list[Entry]]:
-    """Pure part of `filter_stale`: (fresh, stale) with stale = staleness > max_staleness."""
-    keep: list[Entry] = []
-    drop: list[Entry] = []
-    for e in entries:
-        (drop if staleness(e[1], current_version) > max_staleness else keep).append(e)
-    return keep, drop
 
 
 def _s(x: Any) -> str:
@@ -479,7 +464,7 @@ class ReplayBuffer:
         for i in range(0, len(entry_ids), _ACK_CHUNK):
             chunk = list(entry_ids[i:i + _ACK_CHUNK])
             n += yield Call.one(f"ack {len(chunk)} entries ({field}) in group {self.consumer_group}", k.stream,
-                                Cmd.lua(scripts.ACK, [k.stream, k.counters], [self.consumer_group, field, *chunk]),
+                                Cmd.lua(stale_policy.ACK, [k.stream, k.counters], [self.consumer_group, field, *chunk]),
                                 idempotent=True)
         self._forget(entry_ids)
         return n
@@ -681,9 +666,8 @@ class ReplayBuffer:
 
     def _g_filter_stale(self, entries: Sequence[Entry], current_version: int, max_staleness: int,
                         policy: StalePolicy) -> OpGen:
-        if policy not in ("drop", "keep"):
-            raise ValueError(f"stale policy must be 'drop' or 'keep', got {policy!r}")
-        fresh, stale = split_stale(entries, current_version, max_staleness)
+        stale_policy.check_policy(policy)
+        fresh, stale = stale_policy.split_stale(entries, current_version, max_staleness)
         if not stale:
             return list(entries), []
         sample = [(e[1].group_id, e[1].min_version) for e in stale[:8]]

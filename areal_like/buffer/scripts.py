@@ -1,4 +1,5 @@
-"""Key names and the Lua scripts of the replay buffer and the staleness gate — the only copy.
+"""Key names and the Lua scripts of the replay buffer — the only copy. The staleness policy's scripts
+(the gate's, and the ack that credits the gate) live beside that policy in buffer/staleness.py.
 
 All keys of one run share the hash tag `{stream}` so they live in one Redis Cluster slot and a
 script may touch all of them atomically:
@@ -83,7 +84,7 @@ local function depth(stream, group)
 end
 """
 
-_NOW_MS = """
+NOW_MS_LUA = """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -176,7 +177,7 @@ return {1, tostring(d)}
 # wrong id never deletes someone else's group.
 # Returns {entries deleted, group ids newly recorded as trained}; on a re-commit the second number
 # is what the crash had lost (counted recommitted_after_restart).
-COMMIT = LuaScript("commit", _NOW_MS + """
+COMMIT = LuaScript("commit", NOW_MS_LUA + """
 local now = now_ms()
 local n, fresh = 0, 0
 for i = 5, #ARGV, 2 do
@@ -208,28 +209,6 @@ TRAINED = LuaScript("trained", """
 local out = {}
 for i = 1, #ARGV do out[i] = redis.call('ZSCORE', KEYS[1], ARGV[i]) and 1 or 0 end
 return out
-""")
-
-# KEYS: stream, counters   ARGV: group, counter field, id...
-# XACK + XDEL: the stream keeps only unacknowledged entries. Only ids that were pending are deleted,
-# so a wrong id can never delete an undelivered group. Idempotent: a second ack of the same id acks
-# nothing, deletes nothing and counts nothing.
-ACK = LuaScript("ack", """
-local n = 0
-for i = 3, #ARGV do
-  if redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) == 1 then
-    redis.call('XDEL', KEYS[1], ARGV[i])
-    n = n + 1
-  end
-end
-if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[2], n) end
--- A group the learner drops as stale (consume-time guard) or filtered (DAPO dynamic sampling) is
--- replaced by an extra read, so every step trains B groups: it hands its place back to the staleness
--- gate (capacity + gate_credit), in the same atomic step as the ack. Other drop reasons credit nothing.
-if n > 0 and (ARGV[2] == 'dropped:filtered' or ARGV[2] == 'dropped:stale') then
-  redis.call('HINCRBY', KEYS[2], 'gate_credit', n)
-end
-return n
 """)
 
 # KEYS: stream, counters   ARGV: group, consumer, min_idle_ms, start, count
@@ -267,74 +246,4 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return {xlen, pending, oldest, now_ms, redis.call('GET', KEYS[3]) or '0', redis.call('ZCARD', KEYS[4]),
         redis.call('HGETALL', KEYS[2])}
-""")
-
-# ---- staleness gate ------------------------------------------------------------------------------
-# KEYS: version, counters, running   ARGV: slot, eta, batch_size
-# Invariant 2: start a group only while accepted + running + 1 ≤ (η + v + 1)·B + credit — checked and
-# incremented in one atomic step. Idempotent: a slot already held is granted again (a retried call).
-# credit (counters.gate_credit) = groups the learner dropped as `stale` (consume-time guard) or
-# `filtered` (DAPO dynamic sampling) and replaced by an extra read, so the learner still consumes B
-# entries per version net.
-# Returns {granted 0|1, v, accepted, running (after), capacity}.
-TRY_ACQUIRE = LuaScript("gate_try_acquire", """
-local v = tonumber(redis.call('GET', KEYS[1]) or '0')
-local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
-local running = redis.call('ZCARD', KEYS[3])
-local cap = (tonumber(ARGV[2]) + v + 1) * tonumber(ARGV[3]) + tonumber(redis.call('HGET', KEYS[2], 'gate_credit') or '0')
-if redis.call('ZSCORE', KEYS[3], ARGV[1]) then return {1, v, accepted, running, cap} end
-if accepted + running + 1 <= cap then
-  local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[3], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
-  return {1, v, accepted, running + 1, cap}
-end
-return {0, v, accepted, running, cap}
-""")
-
-# KEYS: version, counters, running   ARGV: eta, batch_size
-GATE_STATE = LuaScript("gate_state", """
-local v = tonumber(redis.call('GET', KEYS[1]) or '0')
-local accepted = tonumber(redis.call('HGET', KEYS[2], 'accepted') or '0')
-local credit = tonumber(redis.call('HGET', KEYS[2], 'gate_credit') or '0')
-return {v, accepted, redis.call('ZCARD', KEYS[3]), (tonumber(ARGV[1]) + v + 1) * tonumber(ARGV[2]) + credit}
-""")
-
-# KEYS: running, trained   ARGV: prefix, slot ids — after a Redis restart the gate re-asserts the
-# slots this worker still holds: a slot whose ZADD was lost is added back, unless its group was
-# accepted meanwhile (its idempotency marker {p}:gid:<slot> exists) or trained (in {p}:trained — a
-# re-add refused as already trained writes no marker). Returns {re-added count, done slot ids}.
-REASSERT = LuaScript("gate_reassert", _NOW_MS + """
-local now = now_ms()
-local added, accepted = 0, {}
-for i = 2, #ARGV do
-  if redis.call('EXISTS', ARGV[1] .. ':gid:' .. ARGV[i]) == 1 or redis.call('ZSCORE', KEYS[2], ARGV[i]) then
-    redis.call('ZREM', KEYS[1], ARGV[i])
-    accepted[#accepted + 1] = ARGV[i]
-  elseif redis.call('ZADD', KEYS[1], 'NX', now, ARGV[i]) == 1 then
-    added = added + 1
-  end
-end
-return {added, accepted}
-""")
-
-# KEYS: running   ARGV: max_age_ms — frees slots held longer than that (their worker died).
-REAP = LuaScript("gate_reap", """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now_ms - tonumber(ARGV[1])))
-""")
-
-# KEYS: running, counters   ARGV: slot-id prefix (e.g. "w3-") — frees every slot a dead rollout worker
-# held (its groups were in flight and will never arrive) and counts them as lost_in_flight, in one
-# atomic step, so the gate admits replacements. Returns how many were freed.
-RELEASE_WORKER = LuaScript("gate_release_worker", """
-local prefix, n = ARGV[1], 0
-for _, slot in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  if string.sub(slot, 1, #prefix) == prefix then
-    redis.call('ZREM', KEYS[1], slot)
-    n = n + 1
-  end
-end
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'lost_in_flight', n) end
-return n
 """)

@@ -47,6 +47,7 @@ import msgspec
 from areal_like import metrics as M
 from areal_like.api.config import ExperimentConfig, decode_config
 from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics
+from areal_like.buffer.staleness import StalenessPolicy, trained_staleness
 
 CONSUMER = "learner-0"
 MAX_RESYNCS = 3  # re-syncs (wait, re-form, push) one push may take before the learner gives up
@@ -92,8 +93,8 @@ class Coordinator:
         if metrics_port:
             M.serve(metrics_port)
         self.buffer = ReplayBuffer.from_config(cfg.buffer, url=os.environ["AREAL_LIKE_REDIS_URL"])
-        limit = cfg.train.max_consume_staleness
-        self.limit = cfg.rollout.max_staleness if limit is None else limit
+        # η, B, the consume-time limit, stale policy, DAPO budget: buffer/staleness.py owns the rules
+        self.policy = StalenessPolicy.from_config(cfg)
         self.pusher = make_weight_pusher(cfg, endpoints, model_path=cfg.model.path, run_dir=run_dir,
                                          weight_port=weight_port, incarnation=incarnation)  # weights.mode
         self.evals = EvalChannel.from_buffer(self.buffer) if cfg.data.val_files else None
@@ -150,47 +151,45 @@ class Coordinator:
 
     # ---- fetch --------------------------------------------------------------------------------------
     async def fetch(self, version: int, stopping) -> Batch | None:
-        """B groups to train, always: the gate admits (η+v+1)·B (+ credit) groups in total, so the
-        learner consumes B entries per version net. Each group dropped on the way — stale (older than
-        the consume-time limit) or filtered (DAPO: all rewards equal, at most filter_groups_max_extra
-        per step) — returns its place to the gate in the same atomic ack (gate_credit) and is replaced
-        by one more read, so a step never trains fewer than B groups.
+        """B groups to train, always (`StepTake` of buffer/staleness.py: the gate admits (η+v+1)·B
+        (+ credit) groups in total, so the learner consumes B entries per version net). Each group
+        dropped on the way — stale (the policy's consume-time split) or filtered (DAPO: all rewards
+        equal, at most filter_groups_max_extra per step) — returns its place to the gate in the same
+        atomic ack (gate_credit) and is replaced by one more read, so a step never trains fewer than B.
 
         While it waits for data it re-syncs servers the launcher restarted (a restarted server holds
         its requests until weights are pushed: without this a run whose only server restarted stalls).
         None when asked to stop meanwhile: what was read stays pending and is recovered next time."""
-        alg = self.cfg.algorithm
+        pol = self.policy
         t0 = time.monotonic()
         b = Batch()
-        need = self.cfg.train.batch_size
-        budget = alg.filter_groups_max_extra if alg.filter_groups else 0
-        while need > 0:
+        take = pol.step()
+        while take.need > 0:
             if stopping():
                 return None
-            got = [self.redo.pop(0) for _ in range(min(need, len(self.redo)))]
+            got = [self.redo.pop(0) for _ in range(min(take.need, len(self.redo)))]
             if not got:
-                got = self.buffer.read(need, self.cfg.buffer.block_ms, CONSUMER)
+                got = self.buffer.read(take.need, self.cfg.buffer.block_ms, CONSUMER)
             if not got:
                 await self._resync_if_restarted()
                 continue
-            need -= len(got)
-            # acks and counts the dropped, crediting the gate in the same script
-            keep, dropped = self.buffer.filter_stale(got, version, self.limit, self.cfg.train.consume_stale_policy)
+            take.read(len(got))
+            # the policy's split; acks and counts the dropped, crediting the gate in the same script
+            keep, dropped = self.buffer.filter_stale(got, version, pol.limit, pol.stale_policy)
             if dropped:
-                b.dropped_stale += len(dropped)
-                need += len(dropped)
-                _log(f"dropped {len(dropped)} group(s) older than {self.limit} versions at v={version}; "
+                take.replace_stale(len(dropped))
+                _log(f"dropped {len(dropped)} group(s) older than {pol.limit} versions at v={version}; "
                      f"reading replacements")
-            if alg.filter_groups:
-                uniform = [e for e in keep if len({t.reward for t in e[1].trajectories}) <= 1][:budget - b.filtered]
+            if self.cfg.algorithm.filter_groups:
+                uniform = [e for e in keep if len({t.reward for t in e[1].trajectories}) <= 1][:take.filter_room]
                 if uniform:
                     self.buffer.drop([eid for eid, _ in uniform], "filtered")  # credits the gate
-                    b.filtered += len(uniform)
-                    need += len(uniform)
+                    take.replace_filtered(len(uniform))
                     gone = {eid for eid, _ in uniform}
                     keep = [e for e in keep if e[0] not in gone]
             b.ids += [eid for eid, _ in keep]
             b.groups += [g for _, g in keep]
+        b.dropped_stale, b.filtered = take.dropped_stale, take.filtered
         b.fetch_s = time.monotonic() - t0
         return b
 
@@ -305,7 +304,7 @@ class Coordinator:
     def report(self, step: int, version: int, stats: dict, batch: Batch, push: dict) -> None:
         """The step's metrics row and Prometheus. A step whose weights are being validated has its row
         held until `collect_eval` adds the results (before the next push, or at the end)."""
-        staleness = [version - 1 - g.min_version for g in batch.groups if g.min_version >= 0]
+        staleness = trained_staleness(batch.groups, version - 1)  # trained at version − 1; `version` is published
         buffer_stats = self.buffer.refresh_metrics()  # also sets the buffer gauges
         row = StepMetrics(
             step=step, version=version, reward_mean=stats["reward_mean"], staleness_max=max(staleness, default=0),
@@ -316,7 +315,8 @@ class Coordinator:
             behav_tokens_capped=stats["behav_tokens_capped"], kl_ref=stats["kl_ref"], entropy=stats["entropy"],
             value_loss=stats["value_loss"], adv_abs_mean=stats["adv_abs_mean"],
             optimizer_steps=stats["optimizer_steps"], loss_tokens=stats["loss_tokens"], skipped=stats["skipped"],
-            incarnation=self.incarnation, reward_failures=buffer_stats.get("reward_failures", {}), val=self.carry_val)
+            incarnation=self.incarnation, time=time.time(), reward_failures=buffer_stats.get("reward_failures", {}),
+            val=self.carry_val)
         self.carry_val = {}
         # buffer state for the trackers (`buffer/…`); metrics.jsonl rows carry what StepMetrics has
         extra = {f"buffer_{k}": buffer_stats[k] for k in ("depth", "pending", "oldest_age_s") if k in buffer_stats}

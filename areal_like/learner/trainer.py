@@ -51,6 +51,7 @@ from areal_like.api.config import (
     TrainConfig,
 )
 from areal_like.api.trajectory import Trajectory, TrajectoryGroup
+from areal_like.buffer.staleness import max_trained_staleness
 from areal_like.learner import algorithms as A
 from areal_like.learner.batching import (
     CH_ADV,
@@ -703,7 +704,6 @@ class Trainer:
         st = dict(zip(_SUM_STATS, (sums_total / max(n_opt, 1)).tolist()))
         mx = dict(zip(_MAX_STATS, maxes_total.tolist()))
         st["behav_tokens_capped"] = st["behav_tokens_capped"] * n_opt  # a count, not a mean
-        min_versions = [g.min_version for g in groups if g.min_version >= 0]
         applied = [n for n, s in zip(norms, skips) if not s]
         skip_reason = next((s for s in skips if s), "")
         return {
@@ -720,7 +720,7 @@ class Trainer:
             "num_tokens": int(sum(t.num_tokens for t in samples)),
             "loss_tokens": loss_tokens_of(samples, list(range(len(samples)))),
             "num_groups": len(groups), "num_samples": len(samples), "optimizer_steps": len(applied),
-            "num_minibatches": len(mbs), "version_lag_max": (version - min(min_versions)) if min_versions else -1,
+            "num_minibatches": len(mbs), "version_lag_max": max_trained_staleness(groups, version, default=-1),
             "skipped": not applied, "skip_reason": skip_reason, "step": self.step,
             "step_s": time.perf_counter() - t0, "layout": str(L.spec),
         }

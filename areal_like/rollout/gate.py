@@ -7,7 +7,7 @@ A worker may start a new group only while
 
 B = groups per training step, η = max staleness, v = policy version ({p}:version), accepted = groups
 ever accepted into the buffer, running = slots held by groups being generated. The check and the
-increment are one Lua script (buffer/scripts.py: TRY_ACQUIRE), and the counters live in Redis, so the
+increment are one Lua script (buffer/staleness.py: TRY_ACQUIRE), and the counters live in Redis, so the
 bound holds across any number of workers on any number of hosts. η = 0 is synchronous RL through this
 same code: capacity (v + 1)·B means exactly the B groups of step v can be started, and no more
 until the learner has consumed them and published v + 1.
@@ -65,7 +65,10 @@ The bound is on counts. For η = 0 it makes staleness exactly 0. For η > 0 a gr
 outlives η training steps (a straggler) can still be older than η when consumed; the learner's
 consume-time guard (`ReplayBuffer.filter_stale`) drops and counts those (DESIGN invariant 3).
 
-This module does not generate, and does not touch the stream.
+The policy itself — capacity, a group's staleness, the consume-time split, what a learner step takes,
+and every Lua script of the gate — lives in buffer/staleness.py (its docstring draws a group's
+lifecycle); this module is the client that runs those scripts for a rollout worker and computes none
+of it. This module does not generate, and does not touch the stream.
 """
 
 from __future__ import annotations
@@ -76,8 +79,9 @@ from typing import Any
 import msgspec
 
 from areal_like.api.config import BufferConfig
-from areal_like.buffer import scripts
+from areal_like.buffer import scripts, staleness
 from areal_like.buffer.redis_client import Call, Cmd, OpGen, RedisCallTimeout, RedisEndpoint, Sleep
+from areal_like.buffer.staleness import allowed, capacity  # re-exported: the policy's pure forms
 from areal_like.metrics import GATE_REJECTIONS
 
 
@@ -91,18 +95,6 @@ class GateDecision(msgspec.Struct, frozen=True):
 
 class GateTimeout(RedisCallTimeout):
     """acquire() waited longer than its timeout; the message carries the gate's counters."""
-
-
-def capacity(max_staleness: int, version: int, batch_size: int, credit: int = 0) -> int:
-    """(η + v + 1)·B + credit — the most groups that may be accepted or running at policy version v.
-    `credit`: groups the learner dropped as `stale` or `filtered` (DAPO) and replaced by an
-    extra read, so that it still consumes B entries per version net."""
-    return (max_staleness + version + 1) * batch_size + credit
-
-
-def allowed(accepted: int, running: int, max_staleness: int, version: int, batch_size: int, credit: int = 0) -> bool:
-    """Pure form of the gate's check (the Lua script is the authority; this is for tests and logs)."""
-    return accepted + running + 1 <= capacity(max_staleness, version, batch_size, credit)
 
 
 class StalenessGate:
@@ -121,10 +113,7 @@ class StalenessGate:
         max_poll_s: float = 0.25,
         endpoint: RedisEndpoint | None = None,
     ) -> None:
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be ≥ 0 (0 = synchronous RL), got {max_staleness}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size (groups per training step) must be ≥ 1, got {batch_size}")
+        staleness.check_bounds(max_staleness, batch_size)
         if endpoint is None:
             if not url:
                 raise ValueError("StalenessGate needs a redis URL or an endpoint")
@@ -161,7 +150,7 @@ class StalenessGate:
         k = self.keys
         g, v, a, r, c = yield Call.one(
             f"gate try_acquire slot {slot_id}", k.running,
-            Cmd.lua(scripts.TRY_ACQUIRE, [k.version, k.counters, k.running], [slot_id, self.max_staleness,
+            Cmd.lua(staleness.TRY_ACQUIRE, [k.version, k.counters, k.running], [slot_id, self.max_staleness,
                                                                                self.batch_size]),
             idempotent=True,
         )
@@ -184,7 +173,7 @@ class StalenessGate:
         for i in range(0, len(slots), 512):
             chunk = slots[i:i + 512]
             n, accepted = yield Call.one(f"gate re-assert {len(chunk)} slots", k.running,
-                                         Cmd.lua(scripts.REASSERT, [k.running, k.trained], [k.prefix, *chunk]), idempotent=True)
+                                         Cmd.lua(staleness.REASSERT, [k.running, k.trained], [k.prefix, *chunk]), idempotent=True)
             added += int(n)
             for sl in accepted:
                 self._held.pop(sl.decode() if isinstance(sl, bytes) else str(sl), None)
@@ -215,18 +204,18 @@ class StalenessGate:
     def _g_state(self) -> OpGen:
         k = self.keys
         v, a, r, c = yield Call.one("gate state", k.running,
-                                    Cmd.lua(scripts.GATE_STATE, [k.version, k.counters, k.running],
+                                    Cmd.lua(staleness.GATE_STATE, [k.version, k.counters, k.running],
                                             [self.max_staleness, self.batch_size]), idempotent=True)
         return {"version": int(v), "accepted": int(a), "running": int(r), "capacity": int(c)}
 
     def _g_reap(self, max_age_s: float) -> OpGen:
         n = yield Call.one(f"gate reap slots older than {max_age_s} s", self.keys.running,
-                           Cmd.lua(scripts.REAP, [self.keys.running], [int(max_age_s * 1000)]), idempotent=True)
+                           Cmd.lua(staleness.REAP, [self.keys.running], [int(max_age_s * 1000)]), idempotent=True)
         return int(n)
 
     def _g_release_worker(self, prefix: str) -> OpGen:
         n = yield Call.one(f"gate free the slots of {prefix}*", self.keys.running,
-                           Cmd.lua(scripts.RELEASE_WORKER, [self.keys.running, self.keys.counters], [prefix]),
+                           Cmd.lua(staleness.RELEASE_WORKER, [self.keys.running, self.keys.counters], [prefix]),
                            idempotent=True)
         return int(n)
 
