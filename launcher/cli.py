@@ -1,4 +1,4 @@
-"""Command line: `launcher plan|run|replay|status|stop|sbatch|report`.
+"""Command line: `launcher plan|run|replay|status|stop|sbatch|tune|report`.
 
 Each sub-command lives in its own module; this file only parses arguments and dispatches, so that
 `launcher plan` never imports torch (the plan is pure and must answer instantly on a login node).
@@ -68,6 +68,16 @@ def _build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--submit", action="store_true", help="submit it with `sbatch`")
     sb.add_argument("overrides", nargs="*", help="config overrides, a.b.c=value")
 
+    tune = sub.add_parser("tune", help="run the same experiment once per η (rollout.max_staleness) and recommend "
+                          "the fastest η whose reward stays within noise of η = 0's (tune.md, tune.png)")
+    tune.add_argument("--config", required=True, help="YAML experiment config")
+    tune.add_argument("--eta", required=True, help="comma-separated η values, e.g. 0,1,2,4,8")
+    tune.add_argument("--steps", required=True, type=int, help="train.total_steps of every run")
+    tune.add_argument("--out", default=None, help="tune directory: one run directory per η, tune.md, tune.png "
+                      "(default runs/tune-<experiment>-<date>)")
+    tune.add_argument("--allocation", default=None, help="allocation string (default: the config's `allocation`)")
+    tune.add_argument("overrides", nargs="*", help="config overrides for every run, a.b.c=value")
+
     report = sub.add_parser("report", help="write report.html and its PNG figures into a run directory "
                             "(finished, still going or cut off)")
     report.add_argument("--run-dir", required=True)
@@ -108,6 +118,10 @@ def _dispatch(argv: list[str] | None) -> int:
         from launcher.sbatch import cmd_sbatch
 
         return cmd_sbatch(args)
+    if args.command == "tune":
+        from launcher.tune import cmd_tune
+
+        return cmd_tune(args)
     if args.command == "report":
         from launcher.report import cmd_report
 

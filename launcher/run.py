@@ -148,17 +148,6 @@ def _reward_failures_text(counts: dict[str, int]) -> str:
     return f"  reward failures: {', '.join(parts)}" if parts else ""
 
 
-def _progress(rows: list[dict], t0: float, total: int, depth: str, reward_failures: str = "") -> str:
-    if not rows:
-        return f"[launcher] waiting for the first step… ({time.monotonic() - t0:.0f}s){reward_failures}"
-    r = rows[-1]
-    el = time.monotonic() - t0
-    sps = sum(x.get("samples", 0) for x in rows) / max(el, 1e-9)
-    return (f"[launcher] step {r['step']}/{total}  version {r['version']}  reward {r['reward_mean']:.3f}  "
-            f"samples/s {sps:.1f}  staleness max {max(x['staleness_max'] for x in rows)}  buffer {depth}  "
-            f"step {r['step_s']:.2f}s push {r['push_s']:.2f}s{reward_failures}")
-
-
 def cmd_run(args) -> int:
     try:
         cfg, alloc = _resolve(args)
@@ -425,6 +414,7 @@ class Run:
             rc = 130
         finally:
             self._final_reward_failures()
+            generation = self._scrape_generation(t0)  # before the servers end
             self._shutdown()
             for s, h in prev_handlers.items():
                 signal.signal(s, h)
@@ -436,6 +426,7 @@ class Run:
             summary["buffer"] = dict(self._buffer_stats)  # over the run dir's whole life (Redis AOF)
             summary["restarts"] = list(self._restarts)
             summary["restart_counts"] = {kind: self._restart_count(kind) for kind in RESTART_KINDS}
+            summary["generation"] = generation
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"[launcher] {summary['exit_reason']}: {json.dumps(summary)}", flush=True)
@@ -639,6 +630,45 @@ class Run:
                   f"metrics.jsonl as reward_failures/{kind}; further ones only counted):\n{text}",
                   file=sys.stderr, flush=True)
 
+    def _scrape_generation(self, t0: float) -> dict:
+        """summary.json's `generation`, read from /metrics just before the servers end: `busy_seconds`
+        (Σ `areal_like_server_busy_seconds_total` over the servers that answered), `busy_fraction` =
+        busy_seconds / (servers_scraped × wall seconds since the launcher started), `servers_scraped`, and
+        `gate_refusals` (Σ `areal_like_gate_rejections_total` over the rollout workers that answered; the
+        counter of a restarted role restarts at 0). null where nothing answered or metrics.prometheus=false
+        (SGLang servers export no busy counter: null too)."""
+        wall = time.monotonic() - t0
+        out = {"busy_seconds": None, "busy_fraction": None, "servers_scraped": 0, "gate_refusals": None,
+               "wall_s": round(wall, 3)}
+        if not self.cfg.metrics.prometheus:
+            return out
+
+        def scrape(url: str, name: str) -> float | None:
+            try:
+                with urllib.request.urlopen(url + "/metrics", timeout=2.0) as r:
+                    text = r.read().decode("utf-8", "replace")
+            except Exception:  # noqa: BLE001 — a role that does not answer is skipped
+                return None
+            vals = [float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")]
+            return sum(vals) if vals else None
+
+        try:  # never in the way of the shutdown that follows
+            busy = [b for b in (scrape(u, "areal_like_server_busy_seconds_total")
+                                for u in getattr(self, "_server_urls", [])) if b is not None]
+            if busy:
+                out.update(busy_seconds=round(sum(busy), 3), servers_scraped=len(busy),
+                           busy_fraction=round(sum(busy) / (len(busy) * wall), 4) if wall > 0 else None)
+            ports = Endpoints.load(self.run_dir).metrics_ports  # FileNotFoundError: it ended before starting roles
+            refusals = [scrape(f"http://{self.procs.host(n)}:{p}", "areal_like_gate_rejections_total")
+                        for n, p in ports.items() if n.startswith("rollout") and p]
+            refusals = [x for x in refusals if x is not None]
+            if refusals:
+                out["gate_refusals"] = int(sum(refusals))
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
     def _final_reward_failures(self) -> None:
         """Before Redis stops: the final totals for summary.json, and any first failure not printed yet."""
         if self._redis_url is None or (self.redis is not None and not self.redis.is_running()):
@@ -646,37 +676,37 @@ class Run:
         self._buffer_depth()
 
     def _supervise(self, t0: float) -> int:
+        """Watch every role until the run ends; progress: one bar on a terminal, else a plain line
+        every 10 s (launcher/progress.py)."""
+        from launcher.progress import open_progress
+
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-        tty = sys.stdout.isatty()
         last_print = 0.0
-        while True:
-            if self.redis is not None and not self.redis.is_running():
-                if self._restart_count("redis") >= self._budget("redis"):
-                    self._stop_reason = (f"redis-server (pid {self.redis.pid}) died after "
-                                         f"{self._restart_count('redis')} restart(s) (launcher.max_restarts.redis)")
-                    print(f"\n[launcher] {self._stop_reason}; its log: {self.redis.log_path}", file=sys.stderr, flush=True)
-                    return 1
-                self._restart_redis()
-            for role in self.procs.dead():
-                rc = self._on_death(role)
-                if rc == 0:
-                    if tty:
-                        print()
-                    print(_progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth(),
-                                    self._status_tail()), flush=True)
-                    return 0
-                if rc is _IGNORED:
-                    continue
-                if rc is not None:
-                    return rc
-                break  # restarted: the table changed, look again
-            now = time.monotonic()
-            if now - last_print >= (1.0 if tty else 10.0):
-                line = _progress(_read_metrics(metrics_path), t0, self.cfg.train.total_steps, self._buffer_depth(),
-                                 self._status_tail())
-                print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n", flush=True)
-                last_print = now
-            time.sleep(0.2)
+        with open_progress(self.cfg.train.total_steps, t0) as progress:
+            while True:
+                if self.redis is not None and not self.redis.is_running():
+                    if self._restart_count("redis") >= self._budget("redis"):
+                        self._stop_reason = (f"redis-server (pid {self.redis.pid}) died after "
+                                             f"{self._restart_count('redis')} restart(s) (launcher.max_restarts.redis)")
+                        print(f"\n[launcher] {self._stop_reason}; its log: {self.redis.log_path}", file=sys.stderr,
+                              flush=True)
+                        return 1
+                    self._restart_redis()
+                for role in self.procs.dead():
+                    rc = self._on_death(role)
+                    if rc == 0:
+                        progress.finish(_read_metrics(metrics_path), self._buffer_depth(), self._status_tail())
+                        return 0
+                    if rc is _IGNORED:
+                        continue
+                    if rc is not None:
+                        return rc
+                    break  # restarted: the table changed, look again
+                now = time.monotonic()
+                if now - last_print >= progress.interval_s:
+                    progress.update(_read_metrics(metrics_path), self._buffer_depth(), self._status_tail())
+                    last_print = now
+                time.sleep(0.2)
 
     def _shutdown(self) -> None:
         # Rollouts first (no new work), then the learner (it checkpoints and commits), servers, Redis.

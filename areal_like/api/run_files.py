@@ -87,6 +87,8 @@ class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
     loss_tokens: int
     skipped: bool
     incarnation: int
+    time: float | None = None
+    """Unix seconds when learner rank 0 made this row (the step's weights had landed); None in older files."""
     reward_failures: dict[str, int] = msgspec.field(default_factory=dict)
     """Reward calls that failed so far in the run, by kind (exception, timeout, non_finite, not_a_number),
     over every rollout worker (flattened to `reward_failures/<kind>` keys in the file)."""

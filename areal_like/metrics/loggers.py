@@ -64,7 +64,7 @@ KEY_MAP: dict[str, str] = {
     "buffer_oldest_age_s": "buffer/oldest_age_s",
 }
 # Keys whose row value is not a statistic of the step: `step` is the x axis of every logger.
-NOT_LOGGED = frozenset({"step"})
+NOT_LOGGED = frozenset({"step", "time"})  # step is the x axis; time (unix seconds) is the trackers' own
 # row key prefix → tracker namespace (flattened dict fields of StepMetrics; `val/…` keeps its name)
 PREFIX_MAP: tuple[tuple[str, str], ...] = (
     ("val/", "val/"),

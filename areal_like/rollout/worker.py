@@ -192,7 +192,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                 if await gate.try_acquire_async(group_id):
                     got = True
                     break
-                M.GATE_REJECTIONS.inc()
+                # (the gate client counted the refusal in areal_like_gate_rejections_total)
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=0.05)
                 except asyncio.TimeoutError:
