@@ -505,4 +505,13 @@ class RayProcessTable(ProcessTable):
     def _record(self) -> None:
         super()._record(extra={"backend": "ray", "ray_run_id": self.run_id,
                                "placement_groups": [f"{self.run_id}:node{n}" for n in sorted(self._per_node)],
-                               "placement": {n: s.record() for n, s in self.slots.items()}})
+                               "placement": {n: s.record() for n, s in self.slots.items()}
+                               | {n: self._driver_record() for n in self.services}})
+
+    def _driver_record(self) -> dict:
+        """Where services the launcher started itself run (its redis-server): the driver's node."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        node = next((k for k, n in enumerate(self.nodes) if n["NodeID"] == here), None)
+        return {"node": node, "devices": [], "node_ip": ray.util.get_node_ip_address(), "ray_node_id": here}

@@ -107,6 +107,8 @@ def test_ray_run_learns_on_two_nodes_where_the_plan_says(tmp_path, demo_assets, 
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert set().union(*by_node.values()) <= alive
     assert roles["rollout0"]["ray_node_id"] in alive
+    # Redis runs beside the launcher, on the driver's node (plan node 0 here: the test's head node)
+    assert roles["redis"]["node_ip"] == "127.0.0.1" and roles["redis"]["ray_node_id"] in alive, roles["redis"]
     # Prometheus targets: every role on its node's address
     targets = json.loads((run_dir / "prometheus_targets.json").read_text())
     assert {t["labels"]["role"] for t in targets} == {"server0", "server1", "learner", "rollout0"}
