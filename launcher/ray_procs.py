@@ -192,9 +192,8 @@ class Slot:
     exists) what Ray reports about it."""
 
     name: str
-    node: int  # plan node index
+    node: int  # plan node index (= its placement group)
     devices: tuple[int, ...]
-    pg_node: int  # which placement group (= plan node)
     bundle: int
     ray_node_id: str = ""
     ip: str = ""
@@ -267,12 +266,11 @@ class RayProcessTable(ProcessTable):
     """`ProcessTable` over Ray: the same start/restart/stop/dead, each role in its bundle."""
 
     def __init__(self, run_dir: str, plan, nodes: list[dict], *, n_rollouts: int, device_resource: str,
-                 placement_timeout_s: float, call_timeout_s: float, started_cluster: bool):
+                 placement_timeout_s: float, call_timeout_s: float):
         super().__init__(run_dir)
         self.backend = "ray"
         self.plan, self.nodes, self.device_resource = plan, nodes, device_resource
         self.placement_timeout_s, self.call_timeout_s = placement_timeout_s, call_timeout_s
-        self.started_cluster = started_cluster
         self.run_id = f"{os.path.basename(run_dir.rstrip('/'))}-{secrets.token_hex(3)}"
         self.slots: dict[str, Slot] = {}
         self.pgs: dict[int, object] = {}
@@ -287,7 +285,7 @@ class RayProcessTable(ProcessTable):
 
         def add(name: str, node: int, devices: tuple[int, ...]) -> None:
             bundles = per_node.setdefault(node, [])
-            s = Slot(name, node, devices, node, len(bundles))
+            s = Slot(name, node, devices, len(bundles))
             bundles.append(s)
             self.slots[name] = s
 
@@ -346,13 +344,12 @@ class RayProcessTable(ProcessTable):
 
     def _actor(self, name: str):
         """The role's actor, created in its bundle when missing (first start, or after it died)."""
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         s = self.slots[name]
         if s.actor is None:
             opts = dict(num_cpus=1, name=f"{self.run_id}:{name}", namespace=RAY_NAMESPACE,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[s.pg_node],
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[s.node],
                                                                              placement_group_bundle_index=s.bundle))
             if s.devices:
                 if self.device_resource == "GPU":
@@ -383,9 +380,9 @@ class RayProcessTable(ProcessTable):
             f.write(token)
         seen: set[str] = set()
         for name, s in self.slots.items():
-            if s.pg_node in seen:
+            if s.node in seen:
                 continue
-            seen.add(s.pg_node)
+            seen.add(s.node)
             got = self._call(s, self._actor(name).read_token.remote(path), "read the run directory")
             if got != token:
                 raise RayBackendError(f"the run directory {self.run_dir} is not visible from Ray node {s.ray_node_id[:12]} "

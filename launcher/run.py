@@ -212,7 +212,7 @@ class Run:
         log = lambda msg: print(f"[launcher] {msg}", flush=True)  # noqa: E731
         try:
             roles = self.n_servers + self.alloc.training.world_size + self.cfg.rollout.workers
-            started = connect(rc.address, devices_needed=self.alloc.total_devices, roles_needed=roles,
+            connect(rc.address, devices_needed=self.alloc.total_devices, roles_needed=roles,
                               device_resource=rc.device_resource,
                               cpu_run=self.cfg.server.device == "cpu" and self.alloc.generation.backend == "embedded",
                               log=log)
@@ -229,7 +229,7 @@ class Run:
                                       f"({len(nodes)} node(s) × {per_node} {rc.device_resource}):\n{e}") from None
             table = RayProcessTable(self.run_dir, plan, nodes, n_rollouts=self.cfg.rollout.workers,
                                     device_resource=rc.device_resource, placement_timeout_s=rc.placement_timeout_s,
-                                    call_timeout_s=rc.call_timeout_s, started_cluster=started)
+                                    call_timeout_s=rc.call_timeout_s)
             self.procs = table
             table.reserve()
             table.check_shared_run_dir()

@@ -40,7 +40,7 @@ def _nodes(n: int, g: int) -> list[dict]:
 def test_ray_bundles_one_group_per_node(tmp_path):
     plan = place("sglang.d4p1t2+d4p2t1", nodes=4, devices_per_node=4)
     table = RayProcessTable(str(tmp_path), plan, _nodes(4, 4), n_rollouts=3, device_resource="GPU",
-                            placement_timeout_s=1, call_timeout_s=1, started_cluster=False)
+                            placement_timeout_s=1, call_timeout_s=1)
     slots = table.slots
     # servers: t2 → two devices in one bundle, two servers per node on nodes 0 and 1
     assert [(slots[f"server{i}"].node, slots[f"server{i}"].devices) for i in range(4)] == [
@@ -52,7 +52,7 @@ def test_ray_bundles_one_group_per_node(tmp_path):
     assert [slots[f"rollout{k}"].node for k in range(3)] == [0, 0, 1]
     # bundle indices are unique within each node's group
     for node in range(4):
-        idx = [s.bundle for s in slots.values() if s.pg_node == node]
+        idx = [s.bundle for s in slots.values() if s.node == node]
         assert sorted(idx) == list(range(len(idx)))
 
 
@@ -60,7 +60,7 @@ def test_ray_refuses_a_server_spanning_nodes(tmp_path):
     plan = place("sglang.d1p1t8+d2p1t1", nodes=3, devices_per_node=4)
     with pytest.raises(RayBackendError, match="spans nodes"):
         RayProcessTable(str(tmp_path), plan, _nodes(3, 4), n_rollouts=1, device_resource="GPU",
-                        placement_timeout_s=1, call_timeout_s=1, started_cluster=False)
+                        placement_timeout_s=1, call_timeout_s=1)
 
 
 def test_loopback_addresses():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,18 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import areal_like
-from areal_like.api.trajectory import Trajectory, TrajectoryGroup
+from areal_like.api.trajectory import TrajectoryGroup
 from areal_like.buffer import staleness as S
-
-
-def _group(gid: str, versions: list[list[int]]) -> TrajectoryGroup:
-    trajs = [
-        Trajectory.build(traj_id=f"{gid}-{i}", group_id=gid, prompt_id="p", prompt_ids=[1, 2],
-                         output_ids=[3] * len(v), output_logprobs=[-0.5] * len(v), output_versions=v,
-                         reward=0.0, finish_reason="stop")
-        for i, v in enumerate(versions)
-    ]
-    return TrajectoryGroup(group_id=gid, prompt_id="p", trajectories=trajs, created_at=time.time())
+from test_buffer_logic import _group  # one builder of test groups
 
 
 # ---- capacity -------------------------------------------------------------------------------------
