@@ -33,10 +33,11 @@ def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
 
 
 def start_server(model_dir: str, log_path: str, *extra_args: str, threads: int = 1,
-                 max_batch: int | None = None) -> tuple[subprocess.Popen, str]:
+                 max_batch: int | None = None, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     """An embedded server subprocess (`--torch-threads threads`, seed 0, log level WARNING, its output in
     `log_path`) on a free loopback port, healthy; returns (process, base URL). Stop it with `stop_server`.
-    `max_batch` sets `--max-batch-size`; `extra_args` are further server flags."""
+    `max_batch` sets `--max-batch-size`; `extra_args` are further server flags; `cpus` pins it (as
+    `launcher.cpu_affinity.server` does)."""
     port = free_port()
     env = child_env(threads, TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "areal_like.engine.server", "--model-path", model_dir, "--host", "127.0.0.1",
@@ -44,7 +45,12 @@ def start_server(model_dir: str, log_path: str, *extra_args: str, threads: int =
     if max_batch is not None:
         cmd += ["--max-batch-size", str(max_batch)]
     with open(log_path, "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen([*cmd, *extra_args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        argv = [*cmd, *extra_args]
+        if cpus:
+            from launcher.procs import pinned_argv
+
+            argv = pinned_argv(argv, cpus)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -52,6 +52,9 @@ class ProcessTable:
     plan: object = None  # allocation.Placement: the devices of each server and learner rank
     backend: str = "local"
     bind_host: str = "127.0.0.1"
+    cpu_affinity: dict[str, set[int]] | None = None
+    """`launcher.cpu_affinity` parsed: role kind → CPUs; None = read from the run's config.json (which
+    `launcher run` writes before it starts any role) at the first start."""
 
     # ---- where a role runs (one node: this machine) -----------------------------------------------
     def host(self, name: str) -> str:
@@ -87,12 +90,22 @@ class ProcessTable:
     def close(self) -> None:
         """Nothing held beyond the processes (ended by the run)."""
 
+    # ---- CPU pinning (launcher.cpu_affinity) --------------------------------------------------------
+    def cpus(self, name: str) -> set[int] | None:
+        """The CPUs role `name` is pinned to (by its kind: server, learner, rollout, redis), or None."""
+        if self.cpu_affinity is None:
+            self.cpu_affinity = load_cpu_affinity(self.run_dir)
+        kind = role_kind(name)
+        return self.cpu_affinity.get(kind) if kind else None
+
     def start(self, name: str, argv: list[str], env: dict[str, str], *, critical: bool = True) -> Role:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        cpus = self.cpus(name)
         log = open(log_path, "ab", buffering=0)
         proc = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            pinned_argv(argv, cpus) if cpus else argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,  # own process group: we end the role and its children together
         )
         log.close()
@@ -125,6 +138,11 @@ class ProcessTable:
         self._record()
 
     def add_service(self, name: str, pid: int) -> None:
+        """A process the launcher started itself (its redis-server), pinned here (every thread of it)
+        when `launcher.cpu_affinity` names its kind."""
+        cpus = self.cpus(name)
+        if cpus:
+            pin_running(pid, cpus)
         self.services[name] = pid
         self._record()
 
@@ -201,3 +219,54 @@ def role_devices(plan, name: str) -> tuple[int, ...]:
         ranks = plan.ranks
         return (ranks[r].device,) if r < len(ranks) else ()
     return ()
+
+
+# ---- CPU pinning ----------------------------------------------------------------------------------
+# The child pins itself, then execs the role: affinity is inherited through exec and by everything the
+# role spawns, and nothing runs in the launcher's forked child (no preexec_fn, which is unsafe once the
+# launcher has threads — the progress bar's refresh thread when a role is restarted).
+_PIN = "import os,sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); os.execv(sys.argv[2], sys.argv[2:])"
+
+
+def role_kind(name: str) -> str | None:
+    """"server0" → "server", "learner"/"learner3" → "learner", "rollout1" → "rollout", "redis" → "redis"."""
+    for kind in ("server", "learner", "rollout", "redis"):
+        if name.startswith(kind) and name[len(kind):].isdigit() or name == kind:
+            return kind
+    return None
+
+
+def pinned_argv(argv: list[str], cpus: set[int]) -> list[str]:
+    """`argv` run on `cpus` only: a small Python prelude sets the affinity and execs argv (same pid).
+    argv[0] is resolved on $PATH here, as Popen would."""
+    import shutil
+    import sys
+
+    exe = argv[0] if os.sep in argv[0] else (shutil.which(argv[0]) or argv[0])
+    return [sys.executable, "-S", "-c", _PIN, ",".join(map(str, sorted(cpus))), exe, *argv[1:]]
+
+
+def pin_running(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of a running process (a thread's affinity is its own)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
+def load_cpu_affinity(run_dir: str) -> dict[str, set[int]]:
+    """`launcher.cpu_affinity` of the run's config.json, parsed; {} without one or without the key."""
+    from areal_like.api.config import parse_cpu_list
+
+    try:
+        with open(os.path.join(run_dir, "config.json"), "rb") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    aff = ((raw.get("launcher") or {}).get("cpu_affinity") or {}) if isinstance(raw, dict) else {}
+    return {kind: parse_cpu_list(str(text)) for kind, text in aff.items()}

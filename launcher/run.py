@@ -20,6 +20,7 @@ writes summary.json (with every restart).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -171,6 +172,8 @@ class Run:
         self.cfg, self.alloc, self.run_dir, self.n_servers = cfg, alloc, run_dir, n_servers
         self.procs = _local_table(run_dir, alloc)  # `--backend ray`: replaced by `_place_on_ray` in execute()
         self.redis = None
+        self.redis_exporter = None
+        self._file_sd_path: str | None = None  # <metrics.file_sd_dir>/<run>.targets.json while the run lives
         self._redis_url: str | None = None
         self._buffer = None  # read-only view for the progress line
         self._incarnation = 0
@@ -260,7 +263,34 @@ class Run:
         self.redis.start()
         self.procs.add_service("redis", self.redis.pid)
         print(f"[launcher] redis-server pid {self.redis.pid} on {host}:{self.redis.port} (AOF on)", flush=True)
+        self._start_redis_exporter()
         return self.redis.url
+
+    def _start_redis_exporter(self) -> None:
+        """metrics.redis_exporter: prometheus-redis-exporter beside our Redis (a helper, not supervised)."""
+        from launcher import redis_exporter
+
+        mode = self.cfg.metrics.redis_exporter
+        if mode is False or not self.cfg.metrics.prometheus:
+            return
+        if mode == "auto" and redis_exporter.installed() is None:
+            print(f"[launcher] {redis_exporter.BINARY} is not installed: no Redis panels on the dashboard "
+                  "(`bash scripts/setup.sh` installs it; metrics.redis_exporter=false silences this)", flush=True)
+            return
+        exporter = redis_exporter.RedisExporter(self.redis.host, self.redis.port, self.redis.password,
+                                                os.path.join(self.run_dir, "logs", "redis_exporter.log"),
+                                                host=self.redis.host)
+        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        try:
+            exporter.start()
+        except redis_exporter.RedisExporterError as e:
+            if mode is True:
+                raise RunError(f"metrics.redis_exporter=true: {e}") from None
+            print(f"[launcher] no Redis metrics: {e}", flush=True)
+            return
+        self.redis_exporter = exporter
+        self.procs.add_service("redis_exporter", exporter.pid)
+        print(f"[launcher] {redis_exporter.BINARY} pid {exporter.pid} on {exporter.address}", flush=True)
 
     def _child_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -585,21 +615,39 @@ class Run:
         return 1
 
     def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int]) -> None:
-        """file_sd targets for dashboards/prometheus.yml: every role's /metrics with a `role` label.
+        """file_sd targets for dashboards/prometheus.yml: every role's /metrics (and the Redis exporter's)
+        labelled experiment, run, role (server0, learner, rollout0, redis) and kind (server, learner,
+        rollout, redis) — the dashboard's variables and every panel's selector use them.
 
         With metrics.prometheus=false no role serves /metrics: the file holds an empty list."""
         if not self.cfg.metrics.prometheus:
             with open(os.path.join(self.run_dir, "prometheus_targets.json"), "w") as f:
-                json.dump([], f)
+                json.dump([], f)  # and nothing in metrics.file_sd_dir
             print("[launcher] metrics.prometheus=false: no role serves /metrics (prometheus_targets.json is empty)",
                   flush=True)
             return
-        targets = [{"targets": [u.split("://", 1)[1]], "labels": {"role": f"server{i}", "run": os.path.basename(self.run_dir)}}
-                   for i, u in enumerate(urls)]
-        targets += [{"targets": [f"{self.procs.host(name)}:{p}"], "labels": {"role": name, "run": os.path.basename(self.run_dir)}}
+        def labels(role: str, kind: str) -> dict[str, str]:
+            return {"experiment": self.cfg.experiment_name, "run": os.path.basename(self.run_dir), "role": role,
+                    "kind": kind}
+
+        targets = [{"targets": [u.split("://", 1)[1]], "labels": labels(f"server{i}", "server")} for i, u in enumerate(urls)]
+        targets += [{"targets": [f"{self.procs.host(name)}:{p}"], "labels": labels(name, name.rstrip("0123456789"))}
                     for name, p in ports.items()]
+        if self.redis_exporter is not None:
+            targets.append({"targets": [self.redis_exporter.address], "labels": labels("redis", "redis")})
         with open(os.path.join(self.run_dir, "prometheus_targets.json"), "w") as f:
             json.dump(targets, f, indent=1)
+        sd_dir = self.cfg.metrics.file_sd_dir or os.path.dirname(os.path.abspath(self.run_dir))
+        try:
+            os.makedirs(sd_dir, exist_ok=True)
+            path = os.path.join(sd_dir, f"{os.path.basename(os.path.abspath(self.run_dir))}.targets.json")
+            with open(path + ".tmp", "w") as f:  # Prometheus never reads a half-written file
+                json.dump(targets, f, indent=1)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            raise RunError(f"metrics.file_sd_dir={sd_dir}: cannot write the Prometheus targets there ({e}); "
+                           "set metrics.file_sd_dir to a writable directory") from None
+        self._file_sd_path = path
 
     def _on_signal(self, signum, frame):
         self._stop_reason = f"stopped by {signal.Signals(signum).name}"
@@ -722,6 +770,13 @@ class Run:
             self._buffer.close()
             self._buffer = None
         self._gate = None  # shares the view's endpoint, closed with it
+        if self._file_sd_path is not None:  # Prometheus stops scraping the ended roles
+            with contextlib.suppress(OSError):
+                os.remove(self._file_sd_path)
+            self._file_sd_path = None
+        if self.redis_exporter is not None:
+            self.redis_exporter.stop()
+            self.redis_exporter = None
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

@@ -21,9 +21,12 @@ step() {
   fi
 }
 
-# System packages: redis-server (the replay buffer), tmux (the progress bar's terminal test). Every
-# missing one is installed by one apt-get call.
-APT_PACKAGES=(redis-server tmux)
+# System packages: redis-server (the replay buffer), prometheus-redis-exporter (Redis metrics on the
+# dashboard; the launcher starts it beside its Redis when installed), and for the tests: tmux (the
+# progress bar's terminal), prometheus (the dashboards' queries run against a real one) and chromium
+# (report.html opened headless), npm (Grafana's dashboard schema, below). Every missing one is installed
+# by one apt-get call.
+APT_PACKAGES=(redis-server prometheus-redis-exporter tmux prometheus chromium npm)
 have() { command -v "$1" >/dev/null 2>&1 || dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
 missing=()
 for p in "${APT_PACKAGES[@]}"; do have "$p" || missing+=("$p"); done
@@ -60,4 +63,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 else
   echo "setup: torch: $(torch_version) (up to date)"
   echo "setup: project: up to date ($stamp is newer than pyproject.toml)"
+fi
+
+# Grafana's dashboard schema (@grafana/schema) and TypeScript for tests/unit/test_dashboard_schema.py,
+# at the versions tests/dashboards/package-lock.json pins.
+if [ ! -f tests/dashboards/node_modules/.package-lock.json ] \
+    || [ tests/dashboards/package-lock.json -nt tests/dashboards/node_modules/.package-lock.json ]; then
+  step npm npm ci --prefix tests/dashboards --no-audit --no-fund --loglevel=error
+  echo "setup: npm: @grafana/schema and typescript in tests/dashboards/node_modules"
+else
+  echo "setup: npm: tests/dashboards/node_modules up to date"
 fi

@@ -408,6 +408,69 @@ class LauncherConfig(_Section):
     log tail. Every restart is listed in summary.json (`restarts`)."""
     stop_timeout_s: float = 60.0
     """On Ctrl-C/stop, how long the learner may take to finish its step, checkpoint and commit."""
+    cpu_affinity: dict[str, str | int] = msgspec.field(default_factory=dict)
+    """CPU pinning per role kind (local backend): `server`, `learner`, `rollout`, `redis` → a CPU list
+    as `taskset -c` takes it (`0`, `"0-1,3"`); every process of that kind (all servers, all learner
+    ranks, …) and what it spawns runs on those CPUs only. E.g. `launcher.cpu_affinity.server=0
+    launcher.cpu_affinity.learner=1` keeps generation and training on disjoint cores. A kind not
+    listed is not pinned; empty = no pinning. The CPUs must be ones this process may use; refused
+    under `launcher.backend=ray`."""
+
+
+CPU_AFFINITY_KINDS: tuple[str, ...] = ("server", "learner", "rollout", "redis")
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """`"0-1,3"` → {0, 1, 3} (the `taskset -c` / cpuset list format); ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
+            raise ValueError(f"{part!r} is not a CPU number or range")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"range {part!r} runs backwards")
+        cpus.update(range(a, b + 1))
+    return cpus
+
+
+def validate_cpu_affinity(launcher: LauncherConfig) -> None:
+    """`launcher.cpu_affinity`: known role kinds, well-formed CPU lists of CPUs this process may use,
+    and the local backend."""
+    aff = launcher.cpu_affinity
+    if not aff:
+        return
+    if launcher.backend == "ray":
+        raise ConfigError("launcher.cpu_affinity is applied by the local backend only: remove it for "
+                          "launcher.backend=ray (Ray places roles on nodes; pin there with Ray's own resources)")
+    allowed = sorted(os.sched_getaffinity(0))
+    for kind, text in aff.items():
+        if kind not in CPU_AFFINITY_KINDS:
+            raise ConfigError(f"launcher.cpu_affinity.{kind}: not a role kind; use one of "
+                              f"{', '.join(CPU_AFFINITY_KINDS)}, e.g. launcher.cpu_affinity.server=0")
+        try:
+            cpus = parse_cpu_list(text)
+        except ValueError as e:
+            raise ConfigError(f"launcher.cpu_affinity.{kind}={text!r}: {e}; use a CPU list like \"0\" or "
+                              f"\"0-1,3\"") from None
+        bad = sorted(cpus - set(allowed))
+        if bad:
+            raise ConfigError(f"launcher.cpu_affinity.{kind}={text!r}: CPU(s) {', '.join(map(str, bad))} not "
+                              f"available to this process (it may use {_cpu_list_text(allowed)}): pick CPUs "
+                              f"from those")
+
+
+def _cpu_list_text(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2,5"."""
+    out, i = [], 0
+    while i < len(cpus):
+        j = i
+        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
+            j += 1
+        out.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 class WandbConfig(_Section):
@@ -436,6 +499,17 @@ class MetricsConfig(_Section):
     is always written, listed or not: the launcher, `launcher report` and resumed learners read it."""
     wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
     """Weights & Biases settings, used when `wandb` is in `metrics.loggers` (`metrics.wandb.*`)."""
+    file_sd_dir: str | None = None
+    """Directory where the launcher also writes the run's targets as `<run name>.targets.json` for
+    Prometheus's file discovery (removed when the run ends; Prometheus allows a wildcard only in a file
+    name, so every run's file must share one directory). None = the run directory's parent: `runs/` for
+    default run directories, which dashboards/prometheus.yml reads (`../runs/*.targets.json`)."""
+    redis_exporter: bool | Literal["auto"] = "auto"
+    """Debian's `prometheus-redis-exporter` beside the launcher's own redis-server, so the dashboard's
+    buffer row shows Redis memory and commands/s (role `redis` in prometheus_targets.json): `auto` =
+    started when installed (`scripts/setup.sh` installs it), else one line says it is not; `true` = the
+    run fails if it cannot start; `false` = never. Not used with buffer.redis_url (a Redis you run) or
+    metrics.prometheus=false."""
 
 
 class ExperimentConfig(_Section):
@@ -524,6 +598,7 @@ class ExperimentConfig(_Section):
                         ("redis", budgets.redis)):
             if n < 0:
                 raise ConfigError(f"launcher.max_restarts.{role}={n}: use 0 (never restart) or more")
+        validate_cpu_affinity(self.launcher)
         if self.generation.max_new_tokens < 1:
             raise ConfigError("generation.max_new_tokens must be ≥ 1")
         if self.train.ppo_epochs < 1 or self.train.ppo_minibatches < 1:

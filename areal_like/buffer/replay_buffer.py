@@ -108,6 +108,11 @@ log = logging.getLogger(__name__)
 
 Entry = tuple[str, TrajectoryGroup]  # (stream entry id, group)
 
+DROP_REASONS = ("stale", "malformed", "duplicate", "already_trained", "filtered")
+"""Every `dropped:<reason>` (`areal_like_buffer_dropped_groups_total{reason}`): stale (consume-time
+staleness limit), malformed, duplicate, already_trained (module docstring), filtered (the learner's
+dynamic-sampling filter dropped a whole group)."""
+
 _ACK_CHUNK = 512  # ids per ACK script call: keeps one script call (which blocks Redis) short
 _COMMIT_CHUNK = 256  # (entry id, group id) pairs per COMMIT script call
 _PEL_PAGE = 256  # entries per page when scanning a consumer's own pending list

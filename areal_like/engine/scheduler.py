@@ -48,6 +48,7 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_batch_size: int, weight_version: str = "0",
                  text_stop: Callable[[Seq], str | None] | None = None):
         self.runner = runner
+        metrics.export_at_zero(metrics.GEN_REQUESTS, ("stop", "length", "abort"))  # abort: interrupted
         self.text_stop = text_stop  # seq → the stop string its output now ends with, or None
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version

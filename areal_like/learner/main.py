@@ -84,7 +84,7 @@ class Coordinator:
     def __init__(self, cfg: ExperimentConfig, endpoints: Endpoints, run_dir: str, incarnation: int,
                  weight_port: int, metrics_port: int | None):
         from areal_like.buffer.eval_channel import EvalChannel
-        from areal_like.buffer.replay_buffer import ReplayBuffer
+        from areal_like.buffer.replay_buffer import DROP_REASONS, ReplayBuffer
         from areal_like.weights.factory import make_weight_pusher
 
         self.cfg = cfg
@@ -92,6 +92,8 @@ class Coordinator:
         self.incarnation = incarnation
         if metrics_port:
             M.serve(metrics_port)
+        M.STALENESS_LIMIT.set(cfg.rollout.max_staleness)
+        M.export_at_zero(M.BUFFER_DROPPED, DROP_REASONS)
         self.buffer = ReplayBuffer.from_config(cfg.buffer, url=os.environ["AREAL_LIKE_REDIS_URL"])
         # η, B, the consume-time limit, stale policy, DAPO budget: buffer/staleness.py owns the rules
         self.policy = StalenessPolicy.from_config(cfg)
@@ -328,6 +330,7 @@ class Coordinator:
         M.LEARNER_STEP.set(step)
         M.STEP_SECONDS.observe(stats["step_s"])
         M.PUSH_SECONDS.observe(push["push_s"])
+        M.FETCH_SECONDS.observe(row.fetch_s)
         for gauge, key in ((M.REWARD_MEAN, "reward_mean"), (M.LOSS, "loss"), (M.CLIPFRAC, "clipfrac"),
                            (M.APPROX_KL, "approx_kl"), (M.KL_REF, "kl_ref"), (M.ENTROPY, "entropy"),
                            (M.GRAD_NORM, "grad_norm"), (M.VALUE_LOSS, "value_loss"), (M.BEHAV_W_MAX, "behav_w_max")):

@@ -66,6 +66,12 @@ WEIGHT_RESYNCS = Counter("areal_like_weight_resyncs", "Weight groups re-formed a
 STALENESS = Histogram("areal_like_staleness", "Policy versions between a group's oldest token and the learner",
                       buckets=(0, 1, 2, 3, 4, 6, 8, 16), registry=REGISTRY)
 STALENESS_MAX = Gauge("areal_like_staleness_max", "Largest staleness seen in the last step", registry=REGISTRY)
+STALENESS_LIMIT = Gauge("areal_like_staleness_limit", "The run's staleness bound η (rollout.max_staleness): no "
+                        "trained group is more than η versions behind", registry=REGISTRY)
+FETCH_SECONDS = Histogram("areal_like_learner_fetch_seconds", "Seconds rank 0 waited for a step's B groups "
+                          "(0 when the buffer already held them)",
+                          buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+                          registry=REGISTRY)
 REWARD_MEAN = Gauge("areal_like_reward_mean", "Mean reward of the last training batch", registry=REGISTRY)
 LOSS = Gauge("areal_like_loss", "Loss of the last training step", registry=REGISTRY)
 TRAINED_TOKENS = Counter("areal_like_trained_tokens", "Loss tokens trained on", registry=REGISTRY)
@@ -81,6 +87,14 @@ BEHAV_W_MAX = Gauge("areal_like_learner_behav_weight_max", "Largest π_prox/π_b
 VAL_SCORE = Gauge("areal_like_val_score", "Latest validation result, by data_source (`all` = every prompt) and "
                   "metric (mean@k, pass@k; data_source `_` holds version, step, samples, seconds)",
                   ["data_source", "metric"], registry=REGISTRY)
+
+
+def export_at_zero(counter, label_values) -> None:
+    """Create a labelled counter's series for every known label value now, so a dashboard's rate()
+    reads 0, not "no data", until the first event (Prometheus's advice: initialise what you can).
+    `label_values`: one value per series for a one-label counter, or tuples of values."""
+    for values in label_values:
+        counter.labels(*values) if isinstance(values, tuple) else counter.labels(values)
 
 
 def set_val_metrics(results: dict[str, float]) -> None:

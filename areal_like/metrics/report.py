@@ -238,9 +238,10 @@ def fig_staleness(d: RunData) -> Figure:
     if not _has(d.rows, "staleness_max"):
         f.caption = "No step in metrics.jsonl yet."
         return f
-    vals = [int(r["staleness_max"]) for r in d.rows if isinstance(r.get("staleness_max"), (int, float))]
+    rows = [r for r in d.rows if _has([r], "staleness_max")]  # finite numbers only (a NaN row is skipped)
+    vals = [int(r["staleness_max"]) for r in rows]
     fig, (a, b) = _new_figure(2)
-    a.plot([r["step"] for r in d.rows if isinstance(r.get("staleness_max"), (int, float))], vals, ".", ms=4,
+    a.plot([r["step"] for r in rows], vals, ".", ms=4,
            color="C0", alpha=0.6, label="max staleness of the step")
     top = max(vals + [eta or 0])
     if eta is not None:

@@ -32,6 +32,9 @@ from areal_like.api.config import decode_config
 from areal_like.api.run_files import Endpoints
 
 EXIT_REWARD_FAILURES = 3
+GROUP_OUTCOMES = ("accepted", "duplicate", "skipped", "failed")
+"""`areal_like_rollout_groups_total{outcome}`: accepted into the buffer, duplicate (its id was already
+there), skipped (the workflow returned no group, e.g. dynamic sampling), failed (retried later)."""
 """Exit code of a worker that stopped because too many reward calls failed (restarting it would not help)."""
 
 
@@ -59,6 +62,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     endpoints = Endpoints.load(run_dir)
     if metrics_port:
         M.serve(metrics_port)
+    M.export_at_zero(M.ROLLOUT_GROUPS, GROUP_OUTCOMES)
     redis_url = os.environ["AREAL_LIKE_REDIS_URL"]
     n_workers = cfg.rollout.workers
 
@@ -122,6 +126,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
 
             tools = ToolSet.from_config(cfg.rollout.tools_config)
             _log(index, f"tools from rollout.tools_config={cfg.rollout.tools_config}: {', '.join(tools.names)}")
+            M.export_at_zero(M.TOOL_CALLS, [(name, "ok") for name in tools.names])
         # rollout.workflow (built-in name or path/to/file.py:Name) and every row's agent_name, resolved now:
         # a bad file or name fails at start, naming the key or the row.
         workflow = WorkflowRunner(cfg, client, reward_fn, tokenizer, producer=f"rollout{index}", tools=tools)

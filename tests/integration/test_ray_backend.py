@@ -111,7 +111,7 @@ def test_ray_run_learns_on_two_nodes_where_the_plan_says(tmp_path, demo_assets, 
     assert roles["redis"]["node_ip"] == "127.0.0.1" and roles["redis"]["ray_node_id"] in alive, roles["redis"]
     # Prometheus targets: every role on its node's address
     targets = json.loads((run_dir / "prometheus_targets.json").read_text())
-    assert {t["labels"]["role"] for t in targets} == {"server0", "server1", "learner", "rollout0"}
+    assert {t["labels"]["role"] for t in targets} == {"server0", "server1", "learner", "rollout0", "redis"}
     # each role's log gathered into the run directory
     for name in [*expected, "rollout0"]:
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name

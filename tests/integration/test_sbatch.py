@@ -15,7 +15,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 
 import pytest
 

@@ -6,7 +6,6 @@ generation interrupted by a push keeps per-token versions across the interruptio
 
 import asyncio
 import copy
-import json
 import os
 
 import aiohttp

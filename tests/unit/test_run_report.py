@@ -118,3 +118,13 @@ def test_optional_keys_restarts_and_empty_runs(tmp_path):
     empty.mkdir()
     html = open(write_report(str(empty)), encoding="utf-8").read()
     assert "<img " not in html and "No step recorded yet" in html
+
+
+def test_a_nan_staleness_row_is_skipped_not_fatal(tmp_path):
+    """A row whose staleness_max is NaN (json writes NaN) must not cost the whole report."""
+    run = tmp_path / "run"
+    rows = _rows(4)
+    rows[1]["staleness_max"] = float("nan")
+    _write(run, rows)
+    html = open(write_report(str(run)), encoding="utf-8").read()
+    assert "report/staleness.png" in _images(html)
