@@ -116,6 +116,7 @@ dynamic-sampling filter dropped a whole group)."""
 _ACK_CHUNK = 512  # ids per ACK script call: keeps one script call (which blocks Redis) short
 _COMMIT_CHUNK = 256  # (entry id, group id) pairs per COMMIT script call
 _PEL_PAGE = 256  # entries per page when scanning a consumer's own pending list
+VERSION_EVENTS_MAXLEN = 64  # events kept on the version-events stream (waiters only read new ones)
 _ADD_AFTER_SRC = scripts.ADD_AFTER.source.encode()  # EVAL, not EVALSHA, inside MULTI (see Call.transaction)
 
 
@@ -645,8 +646,12 @@ class ReplayBuffer:
         return int(v) if v is not None else 0
 
     def _g_set_version(self, version: int) -> OpGen:
-        yield Call.one(f"set policy version {version}", self.keys.version,
-                       Cmd("set", (self.keys.version, int(version))), idempotent=True)
+        # One round trip: the SET, then an event on the version-events stream (rollout workers
+        # waiting on a closed gate wake on it; a retried call only adds a spurious wake-up).
+        yield Call(f"set policy version {version}", self.keys.version,
+                   (Cmd("set", (self.keys.version, int(version))),
+                    Cmd("xadd", (self.keys.version_events(), {"v": int(version)}),
+                        {"maxlen": VERSION_EVENTS_MAXLEN, "approximate": True})), idempotent=True)
 
     def _g_count_restart(self, kind: str) -> OpGen:
         field = f"restarts:{kind}"

@@ -65,6 +65,11 @@ class Keys:
     def rollout_cursor(self, worker: int) -> str:
         return f"{self.prefix}:rollout_cursor:{worker}"
 
+    def version_events(self) -> str:
+        """A short stream the learner appends to on every `set_version` (after the SET): waiters on
+        the staleness gate block on it (XREAD BLOCK) instead of sleeping a fixed poll interval."""
+        return f"{self.prefix}:version_events"
+
 
 # Kinds of reward failure (each scores 0): the user's function raised (or its worker process died),
 # took longer than custom_reward_function.timeout_s (or waited that long for a free worker), returned

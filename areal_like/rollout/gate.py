@@ -195,6 +195,17 @@ class StalenessGate:
             yield Sleep(delay)
             delay = min(self.max_poll_s, delay * 1.5)  # back off while the learner trains
 
+    def _g_wait_version(self, timeout_s: float) -> OpGen:
+        """Block until the learner's next `set_version` (an event on the version-events stream, see
+        ReplayBuffer.set_version) or `timeout_s`, whichever is first. True if woken by an event. An
+        event landing just before the call is missed (the wait then lasts `timeout_s`): callers re-check
+        the gate after every return, as they would after a fixed sleep."""
+        key = self.keys.version_events()
+        reply = yield Call.one("wait for a policy version bump", key,
+                               Cmd("xread", ({key: "$"},), {"count": 1, "block": max(1, int(timeout_s * 1000))}),
+                               idempotent=True)
+        return bool(reply)
+
     def _g_release(self, slot_id: str) -> OpGen:
         self._held.pop(slot_id, None)
         n = yield Call.one(f"gate release slot {slot_id}", self.keys.running,
@@ -267,6 +278,10 @@ class StalenessGate:
 
     async def try_acquire_detail_async(self, slot_id: str) -> GateDecision:
         return await self.endpoint.arun(self._g_try(slot_id))
+
+    async def wait_version_async(self, timeout_s: float) -> bool:
+        """Wait for the learner's next version bump, at most `timeout_s` (see `_g_wait_version`)."""
+        return await self.endpoint.arun(self._g_wait_version(timeout_s))
 
     async def release_async(self, slot_id: str) -> bool:
         return await self.endpoint.arun(self._g_release(slot_id))

@@ -305,3 +305,23 @@ def test_filtered_and_stale_groups_hand_their_place_back_to_the_gate(redis_serve
     assert buf.stats()["dropped"] == {"malformed": 1, "stale": 1, "filtered": 1}
     gate.close()
     buf.close()
+
+
+def test_waiters_wake_on_the_learners_version_bump(redis_server, redis_stream):
+    """A closed gate's waiter (the rollout worker) wakes as soon as set_version lands, not after a poll."""
+    gate = StalenessGate(redis_server.url, stream=redis_stream, max_staleness=0, batch_size=1)
+    buf = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100)
+
+    async def scenario():
+        assert await gate.wait_version_async(0.05) is False  # no bump: it returns at its timeout
+        waiter = asyncio.ensure_future(gate.wait_version_async(30.0))
+        await asyncio.sleep(0.1)  # the waiter is blocked in XREAD
+        await asyncio.to_thread(buf.set_version, 3)
+        assert await waiter is True  # woken by the bump's event (a timeout returns False)
+        assert (await gate.state_async())["version"] == 3  # the SET landed before the event
+        await gate.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        buf.close()
