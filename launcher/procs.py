@@ -52,9 +52,8 @@ class ProcessTable:
     plan: object = None  # allocation.Placement: the devices of each server and learner rank
     backend: str = "local"
     bind_host: str = "127.0.0.1"
-    cpu_affinity: dict[str, set[int]] | None = None
-    """`launcher.cpu_affinity` parsed: role kind → CPUs; None = read from the run's config.json (which
-    `launcher run` writes before it starts any role) at the first start."""
+    cpu_affinity: dict[str, set[int]] = field(default_factory=dict)
+    """`launcher.cpu_affinity` parsed (`cpu_sets`): role kind → CPUs; empty = no pinning."""
 
     # ---- where a role runs (one node: this machine) -----------------------------------------------
     def host(self, name: str) -> str:
@@ -93,8 +92,6 @@ class ProcessTable:
     # ---- CPU pinning (launcher.cpu_affinity) --------------------------------------------------------
     def cpus(self, name: str) -> set[int] | None:
         """The CPUs role `name` is pinned to (by its kind: server, learner, rollout, redis), or None."""
-        if self.cpu_affinity is None:
-            self.cpu_affinity = load_cpu_affinity(self.run_dir)
         kind = role_kind(name)
         return self.cpu_affinity.get(kind) if kind else None
 
@@ -257,16 +254,3 @@ def pin_running(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:  # a thread that just ended
             pass
-
-
-def load_cpu_affinity(run_dir: str) -> dict[str, set[int]]:
-    """`launcher.cpu_affinity` of the run's config.json, parsed; {} without one or without the key."""
-    from areal_like.api.config import parse_cpu_list
-
-    try:
-        with open(os.path.join(run_dir, "config.json"), "rb") as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    aff = ((raw.get("launcher") or {}).get("cpu_affinity") or {}) if isinstance(raw, dict) else {}
-    return {kind: parse_cpu_list(str(text)) for kind, text in aff.items()}

@@ -17,6 +17,7 @@ import time
 import urllib.request
 
 from areal_like.api.net import free_port
+from launcher.procs import end_process_group
 
 BINARY = "prometheus-redis-exporter"
 START_TIMEOUT_S = 15.0
@@ -81,13 +82,6 @@ class RedisExporter:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout_s)
-        self.proc = None
+        if self.proc is not None:
+            end_process_group(self.proc.pid, self.proc, timeout_s)  # its own session: TERM, wait, KILL
+            self.proc = None

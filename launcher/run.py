@@ -30,7 +30,7 @@ import time
 import urllib.request
 
 from areal_like.api.run_files import Endpoints
-from launcher.procs import ProcessTable, Role, end_process_group
+from launcher.procs import ProcessTable, Role, end_process_group, role_kind
 
 
 class RunError(RuntimeError):
@@ -161,16 +161,19 @@ def cmd_run(args) -> int:
     return Run(cfg, alloc, run_dir, n_servers).execute()
 
 
-def _local_table(run_dir: str, alloc) -> ProcessTable:
+def _local_table(run_dir: str, alloc, cfg) -> ProcessTable:
     from allocation import place
 
-    return ProcessTable(run_dir, plan=place(alloc))  # one node with exactly the devices the allocation needs
+    from areal_like.api.config import cpu_sets
+
+    # one node with exactly the devices the allocation needs; roles pinned by launcher.cpu_affinity
+    return ProcessTable(run_dir, plan=place(alloc), cpu_affinity=cpu_sets(cfg.launcher))
 
 
 class Run:
     def __init__(self, cfg, alloc, run_dir: str, n_servers: int):
         self.cfg, self.alloc, self.run_dir, self.n_servers = cfg, alloc, run_dir, n_servers
-        self.procs = _local_table(run_dir, alloc)  # `--backend ray`: replaced by `_place_on_ray` in execute()
+        self.procs = _local_table(run_dir, alloc, cfg)  # `--backend ray`: replaced by `_place_on_ray` in execute()
         self.redis = None
         self.redis_exporter = None
         self._file_sd_path: str | None = None  # <metrics.file_sd_dir>/<run>.targets.json while the run lives
@@ -626,23 +629,25 @@ class Run:
             print("[launcher] metrics.prometheus=false: no role serves /metrics (prometheus_targets.json is empty)",
                   flush=True)
             return
-        def labels(role: str, kind: str) -> dict[str, str]:
-            return {"experiment": self.cfg.experiment_name, "run": os.path.basename(self.run_dir), "role": role,
-                    "kind": kind}
+        run_name = os.path.basename(os.path.abspath(self.run_dir))
 
-        targets = [{"targets": [u.split("://", 1)[1]], "labels": labels(f"server{i}", "server")} for i, u in enumerate(urls)]
-        targets += [{"targets": [f"{self.procs.host(name)}:{p}"], "labels": labels(name, name.rstrip("0123456789"))}
-                    for name, p in ports.items()]
+        def target(address: str, role: str) -> dict:
+            return {"targets": [address], "labels": {"experiment": self.cfg.experiment_name, "run": run_name,
+                                                     "role": role, "kind": role_kind(role)}}
+
+        targets = [target(u.split("://", 1)[1], f"server{i}") for i, u in enumerate(urls)]
+        targets += [target(f"{self.procs.host(name)}:{p}", name) for name, p in ports.items()]
         if self.redis_exporter is not None:
-            targets.append({"targets": [self.redis_exporter.address], "labels": labels("redis", "redis")})
+            targets.append(target(self.redis_exporter.address, "redis"))
+        text = json.dumps(targets, indent=1)
         with open(os.path.join(self.run_dir, "prometheus_targets.json"), "w") as f:
-            json.dump(targets, f, indent=1)
+            f.write(text)
         sd_dir = self.cfg.metrics.file_sd_dir or os.path.dirname(os.path.abspath(self.run_dir))
         try:
             os.makedirs(sd_dir, exist_ok=True)
-            path = os.path.join(sd_dir, f"{os.path.basename(os.path.abspath(self.run_dir))}.targets.json")
+            path = os.path.join(sd_dir, f"{run_name}.targets.json")
             with open(path + ".tmp", "w") as f:  # Prometheus never reads a half-written file
-                json.dump(targets, f, indent=1)
+                f.write(text)
             os.replace(path + ".tmp", path)
         except OSError as e:
             raise RunError(f"metrics.file_sd_dir={sd_dir}: cannot write the Prometheus targets there ({e}); "

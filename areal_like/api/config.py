@@ -435,6 +435,11 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
+def cpu_sets(launcher: LauncherConfig) -> dict[str, set[int]]:
+    """`launcher.cpu_affinity` parsed (validated at load): role kind → CPUs."""
+    return {kind: parse_cpu_list(str(text)) for kind, text in launcher.cpu_affinity.items()}
+
+
 def validate_cpu_affinity(launcher: LauncherConfig) -> None:
     """`launcher.cpu_affinity`: known role kinds, well-formed CPU lists of CPUs this process may use,
     and the local backend."""

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from areal_like.api.config import ConfigError, load_config, parse_cpu_list
-from launcher.procs import ProcessTable, load_cpu_affinity, pin_running, pinned_argv, role_kind
+from areal_like.api.config import ConfigError, cpu_sets, load_config, parse_cpu_list
+from launcher.procs import ProcessTable, pin_running, pinned_argv, role_kind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "configs", "demo.yaml")
@@ -78,11 +78,11 @@ CHILD = ("import json, os, subprocess, sys; print(json.dumps(sorted(os.sched_get
          "subprocess.run([sys.executable, '-c', 'import json, os; print(json.dumps(sorted(os.sched_getaffinity(0))))'])")
 
 
-def test_process_table_pins_by_kind_from_config_json(tmp_path):
+def test_process_table_pins_by_kind(tmp_path):
     cpu = ALLOWED[-1]
-    (tmp_path / "config.json").write_text(json.dumps({"launcher": {"cpu_affinity": {"server": str(cpu)}}}))
-    table = ProcessTable(str(tmp_path))
-    assert load_cpu_affinity(str(tmp_path)) == {"server": {cpu}}
+    cfg = load_config(DEMO, [f"launcher.cpu_affinity.server={cpu}"])
+    table = ProcessTable(str(tmp_path), cpu_affinity=cpu_sets(cfg.launcher))
+    assert table.cpu_affinity == {"server": {cpu}}
     pinned = table.start("server0", [sys.executable, "-c", CHILD], dict(os.environ))
     free = table.start("rollout0", [sys.executable, "-c", CHILD], dict(os.environ))
     assert pinned.proc.wait(30) == 0 and free.proc.wait(30) == 0
@@ -121,16 +121,15 @@ def test_pin_running_pins_every_thread():
 
 
 def test_add_service_pins_it(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"launcher": {"cpu_affinity": {"redis": str(ALLOWED[0])}}}))
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        ProcessTable(str(tmp_path)).add_service("redis", proc.pid)
+        ProcessTable(str(tmp_path), cpu_affinity={"redis": {ALLOWED[0]}}).add_service("redis", proc.pid)
         assert os.sched_getaffinity(proc.pid) == {ALLOWED[0]}
     finally:
         proc.kill()
         proc.wait()
 
 
-def test_no_config_json_means_no_pinning(tmp_path):
+def test_no_cpu_affinity_means_no_pinning(tmp_path):
     table = ProcessTable(str(tmp_path))
     assert table.cpus("server0") is None
