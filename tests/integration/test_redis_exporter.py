@@ -74,8 +74,11 @@ def test_launcher_run_redis_exporter_off_and_on(tmp_path, run_launcher):
     assert "prometheus-redis-exporter" not in out
     assert not (tmp_path / "off.targets.json").exists()  # the file_sd copy is removed at the end
 
-    rc, out = run_launcher(tmp_path / "on", "train.total_steps=2", "metrics.redis_exporter=true")
+    sd = tmp_path / "file_sd"  # metrics.file_sd_dir: where Prometheus's file discovery looks
+    rc, out = run_launcher(tmp_path / "on", "train.total_steps=2", "metrics.redis_exporter=true",
+                           f"metrics.file_sd_dir={sd}")
     assert rc == 0, out[-3000:]
+    assert sd.is_dir() and list(sd.iterdir()) == []  # on.targets.json was written there, then removed
     targets = json.load(open(tmp_path / "on" / "prometheus_targets.json"))
     (redis,) = [t for t in targets if t["labels"]["role"] == "redis"]
     assert redis["labels"]["kind"] == "redis"
