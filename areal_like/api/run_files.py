@@ -61,6 +61,8 @@ class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
     """Policy version after this step's weights landed on every server."""
     reward_mean: float
     staleness_max: int
+    staleness_mean: float = float("nan")
+    """Mean staleness (versions behind the weights it was trained with) of the step's B groups."""
     dropped_stale: int
     filtered: int = 0
     """Groups dropped by DAPO dynamic sampling (all rewards equal) while filling this step."""

@@ -24,6 +24,16 @@ continuation has collapsed onto non-EOS tokens, every group scores 0.5 and GRPO 
 Format credit ("a digit at all", "stopped after one char") made it worse: those unconditional
 rewards collapse the policy onto one character before the mapping is learnt.
 
+Task "first digit" (`demo:first-digit`, `demo:first-digit-val`; configs/staleness_study.yaml): the same
+shape, but the key is the prompt's FIRST digit and prompts have 2–6 digits, so the answer does not
+sit at the position that predicts it:
+
+    prompt "4071"  →  answer "5"        prompt "39"  →  answer "4"
+
+The policy must learn an attention pattern (look back to position 0) as well as the lookup, so it
+learns several times slower than "next digit" from the same random model and is a harder test of
+the learner (how far stale samples can still be used). Same reward, same data source.
+
 This module writes the parquet and scores completions; it knows nothing of models or training.
 """
 
@@ -38,12 +48,18 @@ DEMO_DATA_SOURCE = "areal_like/demo"
 DIGITS = "0123456789"
 
 
-def make_example(rng: random.Random, min_len: int = 1, max_len: int = 6) -> tuple[str, str]:
-    """One (prompt, answer) pair: random digits, answer = successor of the last digit mod 10."""
-    n = rng.randint(min_len, max_len)
+TASKS = ("next-digit", "first-digit")
+
+
+def make_example(rng: random.Random, min_len: int = 1, max_len: int = 6, task: str = "next-digit") -> tuple[str, str]:
+    """One (prompt, answer) pair: random digits, answer = successor mod 10 of the last digit
+    (`next-digit`) or of the first (`first-digit`, at least 2 digits so the two differ in position)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown demo task {task!r}; the demo tasks are {', '.join(TASKS)}")
+    n = rng.randint(max(min_len, 2) if task == "first-digit" else min_len, max_len)
     prompt = "".join(rng.choice(DIGITS) for _ in range(n))
-    answer = str((int(prompt[-1]) + 1) % 10)
-    return prompt, answer
+    key = prompt[0] if task == "first-digit" else prompt[-1]
+    return prompt, str((int(key) + 1) % 10)
 
 
 def demo_compute_score(solution_str: str, ground_truth: str) -> float:
@@ -57,8 +73,9 @@ def demo_compute_score(solution_str: str, ground_truth: str) -> float:
     return 0.0
 
 
-def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: str = "train") -> str:
-    """Write `n_train` demo examples as verl-format parquet to `out_path`; returns the path.
+def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: str = "train",
+                    task: str = "next-digit") -> str:
+    """Write `n_train` examples of demo task `task` as verl-format parquet to `out_path`; returns the path.
 
     Columns: prompt (str), data_source, reward_model {ground_truth, style}, extra_info {index, split}.
     Written to a temporary name and renamed, so a concurrent reader never sees a half-written file.
@@ -67,7 +84,7 @@ def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: st
     import pyarrow.parquet as pq
 
     rng = random.Random(seed)
-    rows = [make_example(rng) for _ in range(n_train)]
+    rows = [make_example(rng, task=task) for _ in range(n_train)]
     table = pa.table(
         {
             "prompt": [p for p, _ in rows],
@@ -93,7 +110,8 @@ DEMO_VAL_SEED = 1_000_003  # validation prompts are drawn from their own stream,
 
 
 def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train: int = 2048, seed: int = 0,
-                       val_file: str | None = None, n_val: int = 32, val_seed: int = DEMO_VAL_SEED) -> None:
+                       val_file: str | None = None, n_val: int = 32, val_seed: int = DEMO_VAL_SEED,
+                       task: str = "next-digit") -> None:
     """Build the tiny demo model in `model_dir`, the demo parquet at `train_file` and a validation
     parquet of `n_val` prompts (its own seed; extra_info.split = "val") at `val_file` where missing.
 
@@ -104,9 +122,9 @@ def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train
     if model_dir:
         ensure_tiny_model(model_dir, seed=seed)
     if train_file and not os.path.exists(train_file):
-        build_demo_task(train_file, n_train=n_train, seed=seed)
+        build_demo_task(train_file, n_train=n_train, seed=seed, task=task)
     if val_file and not os.path.exists(val_file):
-        build_demo_task(val_file, n_train=n_val, seed=val_seed, split="val")
+        build_demo_task(val_file, n_train=n_val, seed=val_seed, split="val", task=task)
 
 
 def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, then=None) -> str:
@@ -142,7 +160,8 @@ def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, the
 
 # ---- demo names: the only paths the system builds itself ------------------------------------------
 DEMO_NAMES = {"demo:tiny-qwen2": "tiny-qwen2", "demo:tiny-agent": "tiny-agent",
-              "demo:next-digit": "next-digit-train.parquet", "demo:next-digit-val": "next-digit-val.parquet"}
+              "demo:next-digit": "next-digit-train.parquet", "demo:next-digit-val": "next-digit-val.parquet",
+              "demo:first-digit": "first-digit-train.parquet", "demo:first-digit-val": "first-digit-val.parquet"}
 # The agentic demo (configs/agent_demo.yaml, data/agent_task.py): the tiny agent model after a short
 # supervised warm start (its cache name carries the recipe's version), and the multiplication questions.
 DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERSION}",
@@ -164,12 +183,12 @@ def resolve_demo_name(name: str, key: str) -> str:
         ensure_demo_assets(path, None)
     elif name == "demo:tiny-agent":
         ensure_tiny_model(path, agent=True)
-    elif name == "demo:next-digit":
-        ensure_demo_assets(None, path)
+    elif name in ("demo:next-digit", "demo:first-digit"):
+        ensure_demo_assets(None, path, task=name[len("demo:"):])
+    elif name in ("demo:next-digit-val", "demo:first-digit-val"):
+        ensure_demo_assets(None, None, val_file=path, task=name[len("demo:"):-len("-val")])
     elif name == "demo:calc-agent":
         _agent_task.ensure_calc_agent(path)
     elif name in ("demo:calc-train", "demo:calc-val"):
         _agent_task.ensure_calc_data(path, "train" if name == "demo:calc-train" else "val")
-    else:
-        ensure_demo_assets(None, None, val_file=path)
     return path

@@ -310,6 +310,7 @@ class Coordinator:
         buffer_stats = self.buffer.refresh_metrics()  # also sets the buffer gauges
         row = StepMetrics(
             step=step, version=version, reward_mean=stats["reward_mean"], staleness_max=max(staleness, default=0),
+            staleness_mean=sum(staleness) / len(staleness) if staleness else float("nan"),
             dropped_stale=batch.dropped_stale, filtered=batch.filtered, samples=stats["num_samples"],
             step_s=stats["step_s"], push_s=push["push_s"], pause_window_s=push.get("pause_window_s"),
             fetch_s=batch.fetch_s, loss=stats["loss"], grad_norm=stats["grad_norm"], clipfrac=stats["clipfrac"],

@@ -53,6 +53,7 @@ KEY_MAP: dict[str, str] = {
     "filtered": "rollout/filtered",
     "dropped_stale": "rollout/dropped_stale",
     "staleness_max": "rollout/staleness_max",
+    "staleness_mean": "rollout/staleness_mean",
     # seconds
     "step_s": "perf/step_s",
     "push_s": "perf/push_s",

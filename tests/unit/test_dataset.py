@@ -1,6 +1,7 @@
 """verl parquet → PromptRecords; errors; seeded epochs; resumable cursor; sharding."""
 
 import os
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -116,3 +117,28 @@ def test_demo_task_parquet(tok, tmp_path):
         last = tok.decode(r.input_ids[-1:])
         assert r.ground_truth == str((int(last) + 1) % 10)
         assert demo_compute_score(r.ground_truth, r.ground_truth) == 1.0
+
+
+def test_first_digit_task_keys_on_the_first_digit(tok, tmp_path, monkeypatch):
+    """`demo:first-digit` (configs/staleness_study.yaml): ≥ 2 digits, answer = successor of the FIRST one;
+    built by `resolve_demo_name` in the cache dir like the other demo names, and its -val file too."""
+    from areal_like.data.demo_task import make_example, resolve_demo_name
+
+    monkeypatch.setenv("AREAL_LIKE_CACHE", str(tmp_path))
+    path = resolve_demo_name("demo:first-digit", "data.train_files")
+    assert path.startswith(str(tmp_path)) and path.endswith("first-digit-train.parquet")
+    ds = PromptDataset([path], tok, max_prompt_length=16)
+    assert len(ds) == 2048
+    lens = set()
+    for r in ds.records:
+        digits = tok.decode(r.input_ids)
+        lens.add(len(digits))
+        assert r.ground_truth == str((int(digits[0]) + 1) % 10), digits
+    assert lens == {2, 3, 4, 5, 6}
+    # the key is not the last digit: next-digit's answer differs on most prompts
+    assert sum(r.ground_truth != str((int(tok.decode(r.input_ids[-1:])) + 1) % 10) for r in ds.records) > 1500
+    val = resolve_demo_name("demo:first-digit-val", "data.val_files")
+    vds = PromptDataset([val], tok, max_prompt_length=16)
+    assert len(vds) == 32 and not {r.raw_prompt for r in vds.records} <= {r.raw_prompt for r in ds.records}
+    with pytest.raises(ValueError, match="first-digit"):
+        make_example(random.Random(0), task="middle-digit")
