@@ -13,11 +13,13 @@ For each loss mode and seed this runs the real command
 are re-weighted by π_prox/π_behav capped at train.behav_imp_weight_cap; `behaviour` = standard PPO:
 the clip is around the stale behaviour policy itself). Then it reads every run's metrics.jsonl and writes
 
-    OUT/study.md    per mode × η: reward over the last k steps (mean ± standard error over seeds),
+    OUT/study.md    per mode × η: the mean reward over the run (how fast and how far it learnt) and
+                    the reward over the last k steps (each: mean ± standard error over seeds),
                     the first step whose 10-step running reward reaches --target, the trained groups'
                     mean staleness, the clip fraction and the share of tokens whose behaviour weight
                     hit the cap
-    --figure        (default OUT/study.png) reward vs step per η for each loss, and last-k reward vs η
+    --figure        (default OUT/study.png) reward vs step per η for each loss, and the mean reward
+                    over the run vs η
 
 `--jobs 2` runs two tunes side by side. Reward per step depends on the samples, not on the clock, but the
 staleness a run actually sees depends on how far generation runs ahead of training: the table reports
@@ -61,6 +63,7 @@ def run_stats(rows: list[dict], last_k: int, target: float) -> dict:
         "steps": len(rows),
         "rewards": rewards,
         "last": sum(rewards[-last_k:]) / max(1, len(rewards[-last_k:])),
+        "auc": sum(rewards) / max(1, len(rewards)),  # mean reward over the run: speed and end level in one
         "reach": first_reaching(rewards, target),
         "staleness_mean": sum(stal) / len(stal) if stal else float("nan"),
         "staleness_max": max((r.get("staleness_max", 0) for r in rows), default=0),
@@ -75,9 +78,10 @@ def summarize(stats: dict[tuple[str, int], list[dict]]) -> dict[tuple[str, int],
     out = {}
     for key, runs in stats.items():
         last_m, last_se = mean_se([r["last"] for r in runs])  # (mean, SE); SE 0 for one seed
+        auc_m, auc_se = mean_se([r["auc"] for r in runs])
         reached = sorted(r["reach"] for r in runs if r["reach"] is not None)
         out[key] = {
-            "seeds": len(runs), "last": last_m, "last_se": last_se,
+            "seeds": len(runs), "last": last_m, "last_se": last_se, "auc": auc_m, "auc_se": auc_se,
             "reach_median": reached[len(reached) // 2] if len(reached) == len(runs) else None,
             "reached": len(reached),
             "staleness_mean": sum(r["staleness_mean"] for r in runs) / len(runs),
@@ -92,9 +96,9 @@ def render_md(summary: dict[tuple[str, int], dict], *, etas: list[int], seeds: l
               target: float, command: str) -> str:
     lines = [f"# η × loss study ({len(seeds)} seed(s): {', '.join(map(str, seeds))}; {steps} steps per run)", "",
              f"Command: `{command}`", "",
-             f"| loss | η | reward, last {last_k} steps (± SE over seeds) | steps to {target} (median) "
-             "| staleness mean / max | clip fraction | tokens at the behaviour cap |",
-             "|---|---|---|---|---|---|---|"]
+             f"| loss | η | mean reward over the run (± SE over seeds) | reward, last {last_k} steps (± SE) "
+             f"| steps to {target} (median) | staleness mean / max | clip fraction | tokens at the behaviour cap |",
+             "|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         for eta in etas:
             s = summary.get((mode, eta))
@@ -102,7 +106,8 @@ def render_md(summary: dict[tuple[str, int], dict], *, etas: list[int], seeds: l
                 continue
             reach = (str(s["reach_median"]) if s["reach_median"] is not None
                      else f"not reached ({s['reached']}/{s['seeds']} seeds did)")
-            lines.append(f"| {MODES[mode]} | {eta} | {s['last']:.3f} ± {s['last_se']:.3f} | {reach} "
+            lines.append(f"| {MODES[mode]} | {eta} | {s['auc']:.3f} ± {s['auc_se']:.3f} "
+                         f"| {s['last']:.3f} ± {s['last_se']:.3f} | {reach} "
                          f"| {s['staleness_mean']:.2f} / {s['staleness_max']} | {s['clipfrac']:.3f} "
                          f"| {100 * s['capped']:.2f}% |")
     return "\n".join(lines) + "\n"
@@ -134,12 +139,11 @@ def plot(stats: dict[tuple[str, int], list[dict]], summary: dict, etas: list[int
     ax = axes[2]
     for mode, marker in zip(MODES, "os"):
         xs = [e for e in etas if (mode, e) in summary]
-        ax.errorbar(xs, [summary[(mode, e)]["last"] for e in xs], yerr=[summary[(mode, e)]["last_se"] for e in xs],
+        ax.errorbar(xs, [summary[(mode, e)]["auc"] for e in xs], yerr=[summary[(mode, e)]["auc_se"] for e in xs],
                     marker=marker, capsize=3, label=MODES[mode])
     ax.set_xlabel("max staleness η")
-    ax.set_ylabel("reward over the last steps (± SE over seeds)")
+    ax.set_ylabel("mean reward over the run (± SE over seeds)")
     ax.set_xticks(etas)
-    ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
     fig.tight_layout()
@@ -233,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     print(f"[study] {os.path.join(args.out, 'study.md')}, {figure}")
     hi = max(etas)
-    parts = [f"{m} {summary[(m, hi)]['last']:.3f}" for m in modes if (m, hi) in summary]
-    print(f"staleness_study: reward at η={hi}: " + ", ".join(parts))
+    parts = [f"{m} {summary[(m, hi)]['auc']:.3f}" for m in modes if (m, hi) in summary]
+    print(f"staleness_study: mean reward over the run at η={hi}: " + ", ".join(parts))
     return 0
 
 

@@ -25,11 +25,11 @@ def test_study_runs_both_losses_and_writes_table_and_figure(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
     logs = "".join(p.read_text()[-3000:] for p in out.glob("*.log")) if out.exists() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
-    assert re.search(r"^staleness_study: reward at η=1: recompute [0-9.]+, behaviour [0-9.]+$",
+    assert re.search(r"^staleness_study: mean reward over the run at η=1: recompute [0-9.]+, behaviour [0-9.]+$",
                      proc.stdout.splitlines()[-1]), proc.stdout[-1000:]
     md = (out / "study.md").read_text()
     for mode in ("decoupled PPO (proximal=recompute)", "standard PPO (proximal=behaviour)"):
-        assert re.search(rf"^\| {re.escape(mode)} \| 1 \| [0-9.]+ ± 0\.000 \| ", md, re.M), md
+        assert re.search(rf"^\| {re.escape(mode)} \| 1 \| [0-9.]+ ± 0\.000 \| [0-9.]+ ± 0\.000 \| ", md, re.M), md
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for mode in ("recompute", "behaviour"):
         run = out / f"{mode}-seed7" / "eta1"

@@ -37,13 +37,13 @@ def test_run_stats_and_summary_over_seeds(study):
     b = study.run_stats(_rows([0.0] * 50, staleness=2) + [{"step": 50, "reward_mean": 0.5, "staleness_max": 4,
                                               "staleness_mean": float("nan"), "loss_tokens": 100}],
                         last_k=10, target=0.8)
-    assert a["steps"] == 50 and a["last"] == 1.0 and a["reach"] == 28
+    assert a["steps"] == 50 and a["last"] == 1.0 and a["reach"] == 28 and a["auc"] == pytest.approx(0.6)
     assert a["staleness_mean"] == 4 and a["staleness_max"] == 4 and a["capped"] == pytest.approx(0.05)
     assert a["clipfrac"] == pytest.approx(0.1)
     assert b["steps"] == 50 and b["last"] == pytest.approx(0.05) and b["reach"] is None
     assert b["staleness_mean"] == 2.0 and b["staleness_max"] == 4  # the NaN row is left out of the mean
     s = study.summarize({("recompute", 4): [a, b]})[("recompute", 4)]
-    assert s["seeds"] == 2 and s["last"] == pytest.approx(0.525)
+    assert s["seeds"] == 2 and s["last"] == pytest.approx(0.525) and s["auc"] == pytest.approx((0.6 + 0.01) / 2)
     assert s["last_se"] == pytest.approx(math.sqrt(((1 - 0.525) ** 2 + (0.05 - 0.525) ** 2) / 1 / 2))
     assert s["reach_median"] is None and s["reached"] == 1  # one seed never got there: no median claimed
 
@@ -58,6 +58,7 @@ def test_table_and_figure(study, tmp_path):
     assert len(lines) == 4
     assert lines[0].startswith("| decoupled PPO (proximal=recompute) | 0 | ")
     assert lines[3].startswith("| standard PPO (proximal=behaviour) | 8 | ") and "| 8.00 / 8 |" in lines[3]
+    assert "| 0.295 ± 0.000 | 0.495 ± 0.000 |" in lines[0]  # mean over the run, then the last 20 steps
     assert "not reached (0/1 seeds did)" in lines[0]  # η = 0 here climbs 0.01 per step: 0.59 at step 60
     path = tmp_path / "fig" / "study.png"
     study.plot(stats, summary, [0, 8], str(path))
