@@ -30,9 +30,9 @@ sit at the position that predicts it:
 
     prompt "4071"  →  answer "5"        prompt "39"  →  answer "4"
 
-The policy must learn an attention pattern (look back to position 0) as well as the lookup, so it
-learns several times slower than "next digit" from the same random model and is a harder test of
-the learner (how far stale samples can still be used). Same reward, same data source.
+The policy must learn an attention pattern (look back to position 0) as well as the lookup: a
+harder test of the learner (how far stale samples can still be used; docs/staleness_study.md, where
+η = 0 reaches 0.8 after ~190 steps at the study's settings). Same reward, same data source.
 
 This module writes the parquet and scores completions; it knows nothing of models or training.
 """
