@@ -2,7 +2,7 @@
 for standard PPO, same seeds (AReaL's Table 2, in shape). Results and reading: docs/staleness_study.md.
 
     .venv/bin/python examples/staleness_study.py --seeds 1,2,3 --jobs 2 \\
-        --figure docs/images/staleness_study.png
+        --figure docs/images/staleness_study_lr2.5e-4.png
 
 For each loss mode and seed this runs the real command
 
@@ -73,7 +73,8 @@ def run_stats(rows: list[dict], last_k: int, target: float) -> dict:
 
 
 def summarize(stats: dict[tuple[str, int], list[dict]]) -> dict[tuple[str, int], dict]:
-    """(mode, η) → figures over seeds: last-k reward mean ± SE, median steps to target (None when
+    """(mode, η) → figures over seeds: mean reward over the run and last-k reward (each mean ± SE),
+    median steps to target (None when
     some seed never reached it, with how many did), mean staleness, clip fraction, capped share."""
     out = {}
     for key, runs in stats.items():
