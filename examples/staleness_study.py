@@ -29,7 +29,6 @@ it per run, so a reader can check it. `--no-run` only re-reads OUT.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -37,6 +36,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from launcher.run import read_metrics
 from launcher.tune import dedup_rows, mean_se
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,9 +178,7 @@ def load(args, etas: list[int], seeds: list[int], modes: list[str], last_k: int)
                 if not os.path.exists(path):
                     raise SystemExit(f"staleness_study: {path} is missing (the run failed? see its launcher.log; "
                                      "or drop --no-run to run it)")
-                with open(path) as f:
-                    rows = [json.loads(line) for line in f if line.strip()]
-                stats.setdefault((mode, eta), []).append(run_stats(rows, last_k, args.target))
+                stats.setdefault((mode, eta), []).append(run_stats(read_metrics(path), last_k, args.target))
     return stats
 
 

@@ -104,7 +104,8 @@ def _default_run_dir(cfg) -> str:
     return os.path.join("runs", f"{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _read_metrics(path: str) -> list[dict]:
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a run's metrics.jsonl ([] without the file); a line being written right now is skipped."""
     if not os.path.exists(path):
         return []
     out = []
@@ -397,7 +398,7 @@ class Run:
     def execute(self) -> int:
         t0 = self._t0 = time.monotonic()
         rc = 1
-        self._rows_before = len(_read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))  # a resumed run appends
+        self._rows_before = len(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))  # a resumed run appends
         prev_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._prepare_assets()
@@ -451,7 +452,7 @@ class Run:
             self._shutdown()
             for s, h in prev_handlers.items():
                 signal.signal(s, h)
-            rows = _read_metrics(os.path.join(self.run_dir, "metrics.jsonl"))
+            rows = read_metrics(os.path.join(self.run_dir, "metrics.jsonl"))
             summary = summarize(rows, self.cfg.rollout.max_staleness, time.monotonic() - t0,
                                 new_rows=rows[self._rows_before:])
             summary["exit_reason"] = self._stop_reason or ("completed" if rc == 0 else "failed")
@@ -748,7 +749,7 @@ class Run:
                 for role in self.procs.dead():
                     rc = self._on_death(role)
                     if rc == 0:
-                        progress.finish(_read_metrics(metrics_path), self._buffer_depth(), self._status_tail())
+                        progress.finish(read_metrics(metrics_path), self._buffer_depth(), self._status_tail())
                         return 0
                     if rc is _IGNORED:
                         continue
@@ -757,7 +758,7 @@ class Run:
                     break  # restarted: the table changed, look again
                 now = time.monotonic()
                 if now - last_print >= progress.interval_s:
-                    progress.update(_read_metrics(metrics_path), self._buffer_depth(), self._status_tail())
+                    progress.update(read_metrics(metrics_path), self._buffer_depth(), self._status_tail())
                     last_print = now
                 time.sleep(0.2)
 
@@ -818,7 +819,7 @@ def status_record(run_dir: str) -> dict:
     if "ray_run_id" in pids:
         out["ray_run_id"] = pids["ray_run_id"]
         out["placement_groups"] = pids.get("placement_groups", [])
-    rows = _read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     if rows:
         r = rows[-1]
         out["last_step"] = {"step": r["step"], "version": r["version"], "reward_mean": r["reward_mean"]}

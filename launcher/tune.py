@@ -324,9 +324,9 @@ def _load_json(path: str) -> dict:
 
 
 def _read_rows(path: str) -> list[dict]:
-    from launcher.run import _read_metrics
+    from launcher.run import read_metrics
 
-    return _read_metrics(path)
+    return read_metrics(path)
 
 
 def run_one(eta: int, args, run_dir: str) -> RunResult:
