@@ -84,9 +84,14 @@ def replay(args) -> int:
     if args.steps:
         steps = steps[:args.steps]
     out = args.out or os.path.join(args.dump_dir, "replay.jsonl")
+    import torch
+
+    # The run's learner computed with train.torch_threads threads (learner/main.py); a CPU matmul split
+    # over another count sums in another order (visibly so on Intel Xeons), and Adam amplifies that.
+    torch.set_num_threads(cfg.train.torch_threads)
     trainer = Trainer.from_config(cfg, "d1p1t1", device=args.device)
-    print(f"[replay] {len(steps)} step(s) from {args.dump_dir} on {cfg.model.path} ({args.device}); rows → {out}",
-          flush=True)
+    print(f"[replay] {len(steps)} step(s) from {args.dump_dir} on {cfg.model.path} ({args.device}, "
+          f"{torch.get_num_threads()} torch thread(s)); rows → {out}", flush=True)
     with open(out, "w") as f:
         for k, step_groups in enumerate(steps, 1):
             stats = trainer.train_step(step_groups, k - 1)

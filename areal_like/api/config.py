@@ -245,6 +245,9 @@ class TrainConfig(_Section):
     """Also write an HF-format model dir (`hf/`) inside each checkpoint."""
     collective_timeout_s: float = 300.0
     """Timeout of every learner-pool collective (process sub-groups, pipeline send/recv)."""
+    torch_threads: int = 1
+    """CPU compute threads of each learner rank (`torch.set_num_threads`); `launcher replay` uses the
+    same, since a CPU matmul's rounding depends on how many threads split it."""
     seed: int = 1
     """torch seed of the learner ranks (the same on every rank: identical RNG streams)."""
     test_freq: int = 0
@@ -565,6 +568,8 @@ class ExperimentConfig(_Section):
             raise ConfigError("generation.n (group size) must be ≥ 1: set generation.n=8")
         if self.train.batch_size < 1:
             raise ConfigError("train.batch_size (groups per step) must be ≥ 1: set train.batch_size=4")
+        if self.train.torch_threads < 1:
+            raise ConfigError(f"train.torch_threads={self.train.torch_threads}: use ≥ 1 (e.g. train.torch_threads=1)")
         if self.rollout.workers < 1:
             raise ConfigError("rollout.workers must be ≥ 1")
         wf = self.rollout.workflow

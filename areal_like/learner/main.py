@@ -23,6 +23,9 @@ commits at once. `trained.jsonl` logs what each incarnation trained, for audits 
 
 Only rank 0 talks to Redis and the servers (`Coordinator`); the other ranks hold a `Follower`
 whose every method does nothing, so the loop has no rank checks. The learner never imports the engine.
+While rank 0 waits for data, a validation or a push, the others wait outside any collective
+(`ParallelLayout.leader_ready`, inside `broadcast_groups` and before a checkpoint): no collective
+timeout fires however long the first batch takes, and rank 0's death still stops them at once.
 
 Server restarts (the launcher starts a restarted server with --start-paused and counts it in
 `restarts:server`): before each push, and on every empty read while fetch waits, rank 0 compares the
@@ -382,6 +385,10 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = decode_config(f.read())
     endpoints = Endpoints.load(run_dir)
+    import torch
+
+    # Before any compute: `launcher replay` sets the same count, so it reproduces this run's numbers.
+    torch.set_num_threads(cfg.train.torch_threads)
     rank = init_pool_from_env(cfg.train.collective_timeout_s, endpoints.learner_device)
     trainer = Trainer.from_config(cfg, LayoutSpec.from_allocation(cfg.allocation), device=endpoints.learner_device)
     ckpt = CheckpointManager.from_config(cfg.train, run_dir=run_dir)
@@ -405,6 +412,9 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     def checkpoint_and_commit() -> None:
         """Save (collective, atomic), then commit exactly the entries the checkpoint covers."""
         nonlocal last_saved
+        # Rank 0 may still be collecting a validation or pushing (minutes): the others wait for it
+        # here, outside the checkpoint's collectives and their timeout.
+        trainer.layout.leader_ready(f"finish step {step}'s validation and weight push, then checkpoint it")
         ckpt.save(trainer, step, coord.checkpoint_extra(step, version))
         coord.commit(step)
         last_saved = step

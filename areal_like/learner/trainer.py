@@ -397,8 +397,9 @@ class Trainer:
 
     # ---- advantages (last pipeline stage) -------------------------------------------------------
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the dp group: host-side stats (CPU tensors) on the gloo host group, never NCCL."""
         if self.layout.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.layout.dp_group)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.layout.group_for(t, "dp"))
         return t
 
     def _moments_fn(self, moments):
@@ -739,5 +740,4 @@ class Trainer:
                                        if isinstance(p, nn.Parameter) and p.grad is not None}, self.device)
 
     def barrier(self) -> None:
-        if self.layout.distributed and self.layout.world_size > 1:
-            dist.barrier(group=self.layout.world_group)  # under the world group's timeout
+        self.layout.barrier()  # the host (gloo) world group, under its timeout

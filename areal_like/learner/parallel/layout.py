@@ -11,18 +11,50 @@ so the ranks of one TP group are neighbours (one node, fastest links) and pipeli
 outermost split. Context parallel (cp) is parsed by the allocation but not implemented: cp > 1 is
 rejected here with the setting to change.
 
+Two families of groups (issue 23): the *device* groups (`world_group`, `dp_group`, `pp_group`,
+`tp_group`, the mesh) move device tensors — gradients, activations, weights — on the device's backend
+(NCCL on CUDA, which takes CUDA tensors only); the *host* groups (`host_world_group`,
+`host_dp_group`) are gloo groups beside them for every collective of CPU tensors: the step's groups
+as msgpack bytes, dp sums of host-side statistics (advantage moments, KL sums), barriers.
+`group_for(tensor, dim)` picks by the tensor's device. On CPU both families are gloo, built the same
+way (tests pass `device_backend="cuda:gloo"` — a backend map with no CPU half, refusing CPU tensors
+as NCCL does — to prove no CPU tensor goes to a device group).
+
+Followers never wait for rank 0's data inside a collective (a collective's timeout would fire while
+rank 0 waits minutes for its first batch or a validation): `leader_ready(what)` parks them on a key
+of the pool's store (hosted by rank 0) in short re-armed waits with no overall limit; rank 0's death
+closes the store, which the followers notice at once and report naming rank 0.
+
 What this module does not do: it never touches a model or data; `parallelize.py` applies the layout.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 DIM_NAMES = ("pp", "dp", "tp")
+# Backend of the device groups per device type. NCCL moves CUDA tensors only: a CPU tensor on an
+# NCCL group fails with "No backend type associated with device type cpu".
+DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+HOST_BACKEND = "gloo"  # the host groups: collectives of CPU tensors
+LEADER_POLL_S = 10.0  # a follower's re-armed wait for rank 0, at most (≤ the collective timeout)
+LEADER_LOG_EVERY_S = 60.0  # how often a waiting follower says so in its log
+
+
+def pool_backend(device_type: str) -> str:
+    """The default process group's backend string: gloo for CPU tensors plus the device's backend
+    for device tensors ("cpu:gloo,cuda:nccl" on CUDA; torch dispatches by the tensor's device), so
+    even a CPU collective on the default group (torch internals) has a backend on GPU."""
+    if device_type not in DEVICE_BACKENDS:
+        raise ValueError(f"learner device type {device_type!r} not supported: use one of {sorted(DEVICE_BACKENDS)}")
+    if device_type == "cpu":
+        return HOST_BACKEND
+    return f"cpu:{HOST_BACKEND},{device_type}:{DEVICE_BACKENDS[device_type]}"
 
 
 @dataclass(frozen=True)
@@ -78,7 +110,10 @@ class ParallelLayout:
     layout (all sizes 1, no groups), so the same learner code runs unchanged in one process.
     """
 
-    def __init__(self, spec: LayoutSpec, *, timeout_s: float = 300.0, device_type: str = "cpu") -> None:
+    def __init__(self, spec: LayoutSpec, *, timeout_s: float = 300.0, device_type: str = "cpu",
+                 device_backend: str | None = None) -> None:
+        """`device_backend`: the device groups' backend (default: DEVICE_BACKENDS[device_type]); the
+        host groups are always gloo."""
         if spec.cp != 1:
             raise ValueError(f"context parallel (cp={spec.cp}) is not implemented in the learner: "
                              "use c1 in the allocation's training side (e.g. d2p1t1)")
@@ -88,6 +123,8 @@ class ParallelLayout:
         self.spec = spec
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device_type = device_type
+        self.device_backend = device_backend or DEVICE_BACKENDS.get(device_type)
+        self._leader_seq = 0  # leader_ready calls so far (the same count on every rank)
         self.distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if self.distributed else 1
         if spec.world_size != world:
@@ -99,6 +136,7 @@ class ParallelLayout:
         self.pp_rank, self.dp_rank, self.tp_rank = spec.coords(self.rank)
         self.mesh = None
         self.pp_group = self.dp_group = self.tp_group = self.world_group = None
+        self.host_world_group = self.host_dp_group = None
         if self.distributed:
             self._build_groups()
 
@@ -109,19 +147,94 @@ class ParallelLayout:
         s = self.spec
         grid = torch.arange(s.world_size).reshape(s.pp, s.dp, s.tp)  # (pp, dp, tp): the rank order
         mine: dict[str, dist.ProcessGroup] = {}
+        dev = self.device_backend
+        if dev is None:
+            raise ValueError(f"a learner pool on device type {self.device_type!r} is not supported: use one of "
+                             f"{sorted(DEVICE_BACKENDS)} (or a single rank, d1p1t1)")
         # Every rank calls new_group for every group of every dim, in the same order (a collective).
         for dim, name in enumerate(DIM_NAMES):
             lines = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
             for line in lines.tolist():
-                g = dist.new_group(line, timeout=self.timeout)
+                g = dist.new_group(line, timeout=self.timeout, backend=dev)
                 if self.rank in line:
                     mine[name] = g
         self.pp_group, self.dp_group, self.tp_group = mine["pp"], mine["dp"], mine["tp"]
         # The whole pool with this layout's timeout (the default group's is the launcher's choice).
-        self.world_group = dist.new_group(list(range(s.world_size)), timeout=self.timeout)
+        self.world_group = dist.new_group(list(range(s.world_size)), timeout=self.timeout, backend=dev)
+        # The host groups beside them (gloo): CPU tensors never go to a device group.
+        for line in grid.movedim(1, -1).reshape(-1, s.dp).tolist():
+            g = dist.new_group(line, timeout=self.timeout, backend=HOST_BACKEND)
+            if self.rank in line:
+                self.host_dp_group = g
+        self.host_world_group = dist.new_group(list(range(s.world_size)), timeout=self.timeout,
+                                               backend=HOST_BACKEND)
         self.mesh = DeviceMesh.from_group(
             [self.pp_group, self.dp_group, self.tp_group], self.device_type, mesh=grid, mesh_dim_names=DIM_NAMES
         )
+
+    def group_for(self, t: torch.Tensor, name: str) -> dist.ProcessGroup:
+        """The group of dim `name` ("dp" or "world") for a collective of `t`: the host (gloo) group
+        for a CPU tensor, the device group otherwise."""
+        host = {"dp": self.host_dp_group, "world": self.host_world_group}
+        dev = {"dp": self.dp_group, "world": self.world_group}
+        if name not in host:
+            raise ValueError(f"no host group for dim {name!r}: use 'dp' or 'world'")
+        return host[name] if t.device.type == "cpu" else dev[name]
+
+    def barrier(self) -> None:
+        """Every rank of the pool (on the host world group, under its timeout); no-op in one process."""
+        if self.distributed and self.world_size > 1:
+            dist.barrier(group=self.host_world_group)
+
+    def leader_ready(self, what: str) -> None:
+        """Rank 0 says it has reached the collective that follows its leader-only work (reading the
+        buffer, a validation, a push); the other ranks wait here for that, outside any collective.
+
+        Every rank calls it at the same points (same sequence). A follower waits on a key of the
+        pool's store in bounded waits of LEADER_POLL_S, re-armed with no overall limit: rank 0 has
+        its own timeouts on what it waits for, and a collective timeout must not cut a long first
+        batch short. The store is hosted by rank 0, so rank 0 dying ends the wait at once with an
+        error naming it (no silent hang)."""
+        if not self.distributed or self.world_size == 1:
+            return
+        # The default group's store: the pool's TCPStore (init_pool_from_env makes rank 0 host it).
+        store = dist.distributed_c10d._get_default_store()
+        self._leader_seq += 1
+        key = f"areal_like/leader_ready/{self._leader_seq}"
+        if self.rank == 0:
+            store.set(key, what)
+            return
+        t0 = last_log = time.monotonic()
+        poll = datetime.timedelta(seconds=min(LEADER_POLL_S, self.timeout.total_seconds()))
+
+        def leader_gone(e: Exception) -> RuntimeError:
+            return RuntimeError(
+                f"learner rank {self.rank}: rank 0 (the pool's leader, host of its store) is gone while this rank "
+                f"waited for it to {what} ({time.monotonic() - t0:.0f} s): {e}. See rank 0's log (learner rank "
+                "0's exit status and traceback) for why it stopped")
+
+        while True:
+            try:
+                store.wait([key], poll)
+                break
+            except dist.DistNetworkError as e:
+                raise leader_gone(e) from e
+            except dist.DistStoreError:
+                # One bounded wait over. A round trip proves rank 0's store still answers (a vanished
+                # host fails it within the store's timeout instead of leaving us waiting forever).
+                try:
+                    if store.check([key]):
+                        break
+                except dist.DistError as e:
+                    raise leader_gone(e) from e
+                now = time.monotonic()
+                if now - last_log >= LEADER_LOG_EVERY_S:
+                    print(f"[learner] rank {self.rank}: waiting {now - t0:.0f} s for rank 0 to {what}", flush=True)
+                    last_log = now
+        # The last follower through removes the key (the store lives as long as the pool).
+        if store.add(f"{key}/passed", 1) == self.world_size - 1:
+            store.delete_key(key)
+            store.delete_key(f"{key}/passed")
 
     def submesh(self, name: str):
         """The 1-D DeviceMesh of dim `name` ("pp", "dp", "tp") containing this rank."""

@@ -1,7 +1,8 @@
 """Per-rank entry of the learner pool, and a fixed-batch runner (tests, golden file, benchmark).
 
     init_pool_from_env()   torch.distributed from the usual env (RANK, WORLD_SIZE, MASTER_ADDR,
-                           MASTER_PORT; the CUDA device is the one passed) — gloo on CPU, NCCL on CUDA
+                           MASTER_PORT; the CUDA device is the one passed) — gloo on CPU,
+                           "cpu:gloo,cuda:nccl" on CUDA (layout.pool_backend)
     synthetic_groups()     deterministic TrajectoryGroups (random tokens and behaviour logprobs)
 
 `python -m areal_like.learner.parallel.spawn --model M --layout d2 --steps N ...` runs N train
@@ -35,8 +36,11 @@ def init_pool_from_env(timeout_s: float = 300.0, device: str = "cpu") -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
         return dist.get_rank() if dist.is_initialized() else 0
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
+    from areal_like.learner.parallel.layout import pool_backend
+
+    device_type = torch.device(device).type
+    backend = pool_backend(device_type)  # gloo for CPU tensors beside NCCL for CUDA ones
+    if device_type == "cuda":
         # The device the launcher gives this rank (its CUDA_VISIBLE_DEVICES holds the plan's device for
         # it alone, so this is cuda:0) — never LOCAL_RANK, which would land every rank of a node on the
         # first devices of that node, the generation servers' ones.
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = msgspec.convert(json.loads(a.train_cfg), TrainConfig)
     rank = init_pool_from_env(cfg.collective_timeout_s)
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg.torch_threads)
     learner = Trainer(a.model, cfg, a.layout, temperature=a.temperature)
     ckpt = CheckpointManager.from_config(cfg, run_dir=os.path.dirname(os.path.abspath(a.out)))
     extra = ckpt.resume(learner)  # None on a fresh start
