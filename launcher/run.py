@@ -73,7 +73,7 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
         from areal_like.engine.sglang_args import SGLangNotInstalled, require_sglang
 
         try:
-            require_sglang()
+            require_sglang(cfg.server.python)
         except SGLangNotInstalled as e:
             raise RunError(str(e)) from None
     elif gen.tp * gen.pp != 1:
@@ -323,7 +323,7 @@ class Run:
 
     def _start_sglang_servers(self, env) -> list[str]:
         """Real SGLang, one server per generation DP replica, on the GPUs the plan gives it."""
-        from areal_like.engine.sglang_args import build_sglang_servers, sglang_server_flags
+        from areal_like.engine.sglang_args import SGLangNotInstalled, build_sglang_servers, sglang_server_flags
 
         cfg, plan = self.cfg, self.plan
         names = [f"server{i}" for i in range(self.n_servers)]
@@ -333,12 +333,21 @@ class Run:
         if ray:  # each node's address, as its servers' actors report it
             by_node = {self.procs.placement(n)["node"]: self.procs.host(n) for n in names}
             node_hosts = [by_node.get(k, "127.0.0.1") for k in range(plan.nodes)]
+        try:  # SGLang's own parser, read by server.python (the launcher never imports sglang)
+            flags = sglang_server_flags(cfg.server.python)
+        except SGLangNotInstalled as e:
+            raise RunError(str(e)) from None
         servers = build_sglang_servers(plan, model_path=cfg.model.path, ports=ports, seeds=cfg.seed,
                                        api_key=cfg.server.api_key, admin_api_key=cfg.server.admin_api_key,
                                        host=None if ray else cfg.server.host, node_hosts=node_hosts,
-                                       supported_flags=sglang_server_flags(), enable_metrics=cfg.metrics.prometheus,
-                                       weight_update=cfg.weights.mode, dtype=cfg.model.dtype,
-                                       mem_fraction_static=cfg.server.mem_fraction_static)
+                                       supported_flags=flags, enable_metrics=cfg.metrics.prometheus,
+                                       # a relative server.python is taken from the launcher's directory
+                                       python=os.path.abspath(cfg.server.python) if cfg.server.python
+                                       and os.sep in cfg.server.python else (cfg.server.python or sys.executable),
+                                       weight_update=cfg.weights.mode, dtype=cfg.server.dtype,
+                                       mem_fraction_static=cfg.server.mem_fraction_static,
+                                       # the workflows' limit, also SGLang's (else it takes the model's)
+                                       extra_args=["--context-length", str(cfg.resolved_max_context_len())])
         roles = []
         for srv in servers:
             if srv.nnodes > 1:
@@ -372,8 +381,8 @@ class Run:
                     "--host", host, "--port", str(port),
                     # on CUDA its CUDA_VISIBLE_DEVICES holds the plan's device for it: cuda:0 inside
                     "--device", "cuda:0" if cuda else cfg.server.device,
-                    "--dtype", cfg.model.dtype, "--max-batch-size", str(cfg.server.max_batch_size),
-                    "--max-context-len", str(cfg.server.max_context_len), "--weight-version", "0",
+                    "--dtype", cfg.server.dtype, "--max-batch-size", str(cfg.server.max_batch_size),
+                    "--max-context-len", str(cfg.resolved_max_context_len()), "--weight-version", "0",
                     "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads)]
             if not cfg.metrics.prometheus:
                 argv.append("--disable-metrics")
@@ -406,6 +415,11 @@ class Run:
                 self._place_on_ray()
             if not self.cfg.server.admin_api_key:  # only the learner (it reads config.json) may update weights
                 self.cfg.server.admin_api_key = secrets.token_urlsafe(32)
+            # server.dtype=auto resolved once: the servers load in it and the learner's pushes cast to it
+            self.cfg.server.dtype = self.cfg.resolved_server_dtype(sglang=self.alloc.generation.backend == "sglang")
+            # rollout.max_concurrent_groups=null: scaled to the servers' capacity, written into config.json
+            self.cfg.rollout.max_concurrent_groups = self.cfg.resolved_max_concurrent_groups(
+                num_servers=self.n_servers, sglang=self.alloc.generation.backend == "sglang")
             # config.json holds the keys: owner-only, like the Redis password kept out of the run dir
             fd = os.open(os.path.join(self.run_dir, "config.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.fchmod(fd, 0o600)

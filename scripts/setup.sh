@@ -6,6 +6,18 @@
 # "Location 'file:///…' is ignored" from this machine's pip config, are therefore only seen on failure.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# --sglang: also build .venv-sglang, the environment that runs real SGLang servers on a GPU machine
+# (server.python = .venv-sglang/bin/python): SGLang pins its own torch (CUDA), the learner another.
+WITH_SGLANG=0
+for arg in "$@"; do
+  case "$arg" in
+    --sglang) WITH_SGLANG=1 ;;
+    *) echo "setup: unknown option $arg (known: --sglang)" >&2; exit 2 ;;
+  esac
+done
+# The SGLang release the conformance suite checks and --sglang installs: what `pip install .[sglang]`
+# resolves to (pyproject.toml's extra and areal_like.engine.sglang_args.SUPPORTED_SGLANG bound it).
+SGLANG_VERSION=0.5.23
 SUDO=""
 if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
 out=$(mktemp)
@@ -73,4 +85,37 @@ if [ ! -f tests/dashboards/node_modules/.package-lock.json ] \
   echo "setup: npm: @grafana/schema and typescript in tests/dashboards/node_modules"
 else
   echo "setup: npm: tests/dashboards/node_modules up to date"
+fi
+
+# The SGLang conformance environment (tests/conformance): SGLang's own HTTP app and weight receiver on
+# CPU. sglang without its dependencies (they pin CUDA torch and GPU kernels), torch the CPU wheel the
+# project pins (-c keeps every other package from pulling another torch), and the packages its HTTP
+# app and weight-sync code import (scripts/sglang-conformance-requirements.txt). ~2.5 min, ~2.6 GB.
+conf=.venv-sglang-conformance
+conf_stamp=$conf/.installed-sglang-$SGLANG_VERSION
+if [ ! -f "$conf_stamp" ] || [ scripts/sglang-conformance-requirements.txt -nt "$conf_stamp" ]; then
+  torch_pin=$(mktemp)
+  echo "torch==2.13.0" >"$torch_pin"
+  [ -x $conf/bin/python ] || step sglang-conformance "$PY" -m venv $conf
+  step sglang-conformance $conf/bin/python -m pip install -q --upgrade pip
+  step sglang-conformance $conf/bin/python -m pip install -q "torch==2.13.0"
+  step sglang-conformance $conf/bin/python -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
+  step sglang-conformance $conf/bin/python -m pip install -q -c "$torch_pin" -r scripts/sglang-conformance-requirements.txt
+  rm -f "$torch_pin"
+  touch "$conf_stamp"
+  echo "setup: sglang-conformance: sglang $SGLANG_VERSION (no deps) + CPU torch in $conf"
+else
+  echo "setup: sglang-conformance: $conf up to date"
+fi
+
+# Real SGLang for GPU machines (--sglang): its own environment with its own (CUDA) torch; point the
+# run at it with server.python: .venv-sglang/bin/python.
+if [ "$WITH_SGLANG" = 1 ]; then
+  if [ ! -f .venv-sglang/.installed-sglang-$SGLANG_VERSION ]; then
+    [ -x .venv-sglang/bin/python ] || step sglang "$PY" -m venv .venv-sglang
+    step sglang .venv-sglang/bin/python -m pip install -q --upgrade pip
+    step sglang .venv-sglang/bin/python -m pip install -q "sglang==$SGLANG_VERSION"
+    touch .venv-sglang/.installed-sglang-$SGLANG_VERSION
+  fi
+  echo "setup: sglang: sglang $SGLANG_VERSION in .venv-sglang (set server.python: .venv-sglang/bin/python)"
 fi

@@ -34,7 +34,8 @@ class ModelConfig(_Section):
     tiny model, built once in the cache dir `$AREAL_LIKE_CACHE`, default ~/.cache/areal_like). Required:
     `launcher run` checks it before anything starts and never creates or writes a path you give."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the learner's and the embedded servers' model copies (float32 on CPU)."""
+    """Parameter dtype of the learner's model copy (its master weights and compute); the servers hold
+    theirs in `server.dtype`, and every weight push casts to it."""
 
 
 class DataConfig(_Section):
@@ -90,7 +91,8 @@ class MultiTurnConfig(_Section):
     """Most tokens one assistant turn may generate; None = generation.max_new_tokens."""
     max_total_tokens: int | None = None
     """Prompt + every turn + every tool result, in tokens; an episode that would pass it ends cleanly
-    with finish reason `context_limit`. None = server.max_context_len."""
+    with finish reason `context_limit`. None = server.max_context_len (which, itself null, derives from
+    the longest episode these limits allow)."""
     max_tool_response_tokens: int = 256
     """A tool result longer than this (tokens) is truncated before it is appended as an observation."""
     export_style: Literal["concat", "individual"] = "concat"
@@ -109,10 +111,20 @@ class RolloutConfig(_Section):
     Alias: `max_head_offpolicyness` (AReaL)."""
     workers: int = 1
     """Rollout worker processes."""
-    max_concurrent_groups: int = 16
-    """Groups in flight per worker (the staleness gate bounds the total across workers)."""
-    request_timeout_s: float = 120.0
-    """Seconds one generation request may take; then it fails naming the server and the group is retried."""
+    max_concurrent_groups: int | None = None
+    """Groups in flight per worker (the staleness gate bounds the total across workers). None = scaled to
+    the servers' capacity (`ExperimentConfig.resolved_max_concurrent_groups`, like AReaL's
+    max_concurrent_rollouts): 2 × servers × requests per server / (generation.n × rollout.workers),
+    at least 1 — requests per server being `server.max_batch_size` on the embedded engine and
+    `SGLANG_REQUESTS_PER_SERVER` (256) on SGLang; twice that keeps each server's batch full while
+    some groups are being scored or queued."""
+    request_timeout_s: float = 3600.0
+    """Seconds one generation request may take (AReaL's default: one long reasoning response on a loaded
+    server takes minutes; a dead server is found by the client's health probe, not by this); then that
+    request (not its group) is sent again with the tokens already held, to another server when there is one
+    (`request_retries`); the error names the server."""
+    request_retries: int = 2
+    """Times a timed-out generation request is sent again before its group fails (and its prompt is retried)."""
     workflow: str = "rlvr"
     """Workflow that turns one prompt into a group: a built-in by name — `rlvr` (single-turn RLVR),
     `multi_turn` (chat turns with feedback, no tools), `tool_agent` (multi-turn with tools from
@@ -130,6 +142,12 @@ class RolloutConfig(_Section):
     """Limits of the multi-turn workflows (`multi_turn`, `tool_agent`, user agents)."""
 
 
+SGLANG_REQUESTS_PER_SERVER = 256
+"""Requests one SGLang server (one DP replica) is assumed to run at once when `rollout.max_concurrent_groups`
+is derived: SGLang sizes its own running batch from the KV memory; 256 keeps a 7B-class replica on an
+H100 busy without a queue longer than it can drain."""
+
+
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     """Interface the generation servers bind to (and the address clients use)."""
@@ -137,8 +155,14 @@ class ServerConfig(_Section):
     """Port of server 0 (server i gets base_port + i); 0 = pick free ports."""
     max_batch_size: int = 64
     """Requests decoded together per step by an embedded server (requests)."""
-    max_context_len: int = 512
-    """Prompt + generated tokens per request on an embedded server (tokens)."""
+    max_context_len: int | None = None
+    """Prompt + generated tokens per request (tokens), everywhere: the embedded servers' `--max-context-len`,
+    SGLang's `--context-length`, the workflows' and the agent proxy's limit. None = derived from the data
+    and generation lengths (`ExperimentConfig.resolved_max_context_len`): data.max_prompt_length + the
+    longest response asked for (generation.max_new_tokens, eval.max_new_tokens); for multi-turn
+    workflows rollout.multi_turn.max_total_tokens, or when that is null the longest episode (prompt +
+    max_assistant_turns × per-turn tokens + the tool results in between). A value smaller than that is
+    refused at load with the numbers (it used to cut responses short silently)."""
     health_timeout_s: float = 120.0
     """Seconds the launcher waits for each server's /health at start-up (SGLang: at least 900)."""
     api_key: str | None = None
@@ -147,6 +171,11 @@ class ServerConfig(_Section):
     """Bearer key the servers require on weight updates, pause/continue and flush; None = `launcher run` generates a random one."""
     device: str = "cpu"
     """Device of each embedded server: `cpu`, `cuda` or `cuda:N`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype of the generation servers' model copies, separate from the learner's `model.dtype`:
+    every weight push (distributed buckets and disk) casts the learner's tensors to it, so an fp32 learner
+    feeds bf16 servers with half the bytes. `auto` = bfloat16 on GPUs (SGLang, or `server.device=cuda…`),
+    float32 on CPU (`launcher run` resolves it once; SGLang gets it as `--dtype`)."""
     torch_threads: int = 1
     """Compute threads per server; on a shared CPU, torch's default (one per core) thrashes ~10×."""
     max_n: int = 128
@@ -159,8 +188,13 @@ class ServerConfig(_Section):
     """Largest request body an embedded server reads (MiB); a bigger one is a 413, refused before it is parsed."""
     max_queued_tokens: int | None = None
     """Prompt + max_new_tokens of all samples an embedded server holds at once (tokens); past it a request gets 429; None = 16 × max_batch_size × max_context_len."""
+    python: str | None = None
+    """SGLang servers: the interpreter that runs `python -m sglang.launch_server` (e.g. `.venv-sglang/bin/python`,
+    built by `scripts/setup.sh --sglang`); SGLang pins its own torch, so it lives in its own environment. The
+    launcher asks it for the installed release and SGLang's flags and never imports sglang itself. None = the
+    launcher's interpreter."""
     mem_fraction_static: float | None = None
-    """SGLang servers: fraction of each GPU's memory for weights and KV cache (`--mem-fraction-static`, in (0, 1)); None = SGLang's default. SGLang gets the model dtype from `model.dtype`."""
+    """SGLang servers: fraction of each GPU's memory for weights and KV cache (`--mem-fraction-static`, in (0, 1)); None = SGLang's default. SGLang gets its dtype from `server.dtype`."""
 
 
 class BufferConfig(_Section):
@@ -560,6 +594,53 @@ class ExperimentConfig(_Section):
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     """Validation during training on `data.val_files` every `train.test_freq` steps (`eval.*`)."""
 
+    def resolved_server_dtype(self, *, sglang: bool) -> str:
+        """`server.dtype` with `auto` resolved: bfloat16 where the servers run on GPUs (SGLang always;
+        embedded with `server.device=cuda…`), float32 on CPU (bf16 matmuls there are slow and lossy)."""
+        if self.server.dtype != "auto":
+            return self.server.dtype
+        return "bfloat16" if sglang or self.server.device.startswith("cuda") else "float32"
+
+    def resolved_max_concurrent_groups(self, *, num_servers: int, sglang: bool) -> int:
+        """`rollout.max_concurrent_groups`, or when null scaled to `num_servers`' capacity (see the key)."""
+        if self.rollout.max_concurrent_groups is not None:
+            return self.rollout.max_concurrent_groups
+        per_server = SGLANG_REQUESTS_PER_SERVER if sglang else self.server.max_batch_size
+        requests = 2 * max(1, num_servers) * per_server
+        return max(1, -(-requests // (self.generation.n * self.rollout.workers)))
+
+    def _context_needs(self) -> list[tuple[int, str]]:
+        """(tokens, how they add up) of every request length the config asks for: the lower bounds
+        of `server.max_context_len`."""
+        p = self.data.max_prompt_length
+        needs = [(p + self.generation.max_new_tokens,
+                  f"data.max_prompt_length ({p}) + generation.max_new_tokens ({self.generation.max_new_tokens})")]
+        if self.eval.max_new_tokens is not None:
+            needs.append((p + self.eval.max_new_tokens,
+                          f"data.max_prompt_length ({p}) + eval.max_new_tokens ({self.eval.max_new_tokens})"))
+        mt = self.rollout.multi_turn
+        if mt.max_total_tokens is not None:
+            needs.append((mt.max_total_tokens, f"rollout.multi_turn.max_total_tokens ({mt.max_total_tokens})"))
+        if mt.max_tokens_per_turn is not None:
+            needs.append((p + mt.max_tokens_per_turn,
+                          f"data.max_prompt_length ({p}) + rollout.multi_turn.max_tokens_per_turn "
+                          f"({mt.max_tokens_per_turn})"))
+        return needs
+
+    def resolved_max_context_len(self) -> int:
+        """`server.max_context_len`, or when null the longest request the config asks for: see the key.
+        Multi-turn workflows (anything but `rlvr`) without `max_total_tokens` get the longest episode:
+        prompt + turns × per-turn tokens + (turns − 1) tool results."""
+        if self.server.max_context_len is not None:
+            return self.server.max_context_len
+        need = max(n for n, _ in self._context_needs())
+        mt = self.rollout.multi_turn
+        if self.rollout.workflow != "rlvr" and mt.max_total_tokens is None:
+            per_turn = max(mt.max_tokens_per_turn or self.generation.max_new_tokens, self.eval.max_new_tokens or 0)
+            need = max(need, self.data.max_prompt_length + mt.max_assistant_turns * per_turn
+                       + (mt.max_assistant_turns - 1) * mt.max_tool_response_tokens)
+        return need
+
     def validate(self) -> None:
         """Cross-field checks; each error says which setting to change."""
         if self.rollout.max_staleness < 0:
@@ -572,6 +653,14 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"train.torch_threads={self.train.torch_threads}: use ≥ 1 (e.g. train.torch_threads=1)")
         if self.rollout.workers < 1:
             raise ConfigError("rollout.workers must be ≥ 1")
+        if self.rollout.max_concurrent_groups is not None and self.rollout.max_concurrent_groups < 1:
+            raise ConfigError(f"rollout.max_concurrent_groups={self.rollout.max_concurrent_groups}: use ≥ 1, or null "
+                              f"(scaled to the servers' capacity)")
+        if self.rollout.request_retries < 0:
+            raise ConfigError(f"rollout.request_retries={self.rollout.request_retries}: use 0 (no retry) or more")
+        if self.rollout.request_timeout_s <= 0:
+            raise ConfigError(f"rollout.request_timeout_s={self.rollout.request_timeout_s}: use a positive number "
+                              f"of seconds")
         wf = self.rollout.workflow
         if ":" in wf:
             path = wf.rsplit(":", 1)[0]
@@ -640,6 +729,16 @@ class ExperimentConfig(_Section):
             raise ConfigError("eval.max_prompts must be ≥ 1 (or null = every validation prompt)")
         if self.eval.timeout_s <= 0:
             raise ConfigError("eval.timeout_s must be > 0")
+        ctx = self.server.max_context_len
+        if ctx is not None:
+            if ctx < 2:
+                raise ConfigError(f"server.max_context_len={ctx}: use at least 2 tokens (or null = derived)")
+            need, how = max(self._context_needs())
+            if ctx < need:
+                raise ConfigError(
+                    f"server.max_context_len={ctx} is less than {how} = {need}: every response would be cut at "
+                    f"{ctx} tokens minus its prompt; set server.max_context_len={need} or null (derived from "
+                    f"these lengths), or lower them")
 
 
 # Names users already know → our key. Applied to file keys and to overrides alike.

@@ -4,6 +4,7 @@ Import the client from here; the server side (torch, transformers) is imported o
 process itself.
 """
 
-from areal_like.engine.client import GenerationClient, GenerationError, GenerationResult, parse_reply
+from areal_like.engine.client import (GenerationClient, GenerationError, GenerationResult, GenerationTimeout,
+                                     parse_reply)
 
-__all__ = ["GenerationClient", "GenerationError", "GenerationResult", "parse_reply"]
+__all__ = ["GenerationClient", "GenerationError", "GenerationResult", "GenerationTimeout", "parse_reply"]

@@ -13,7 +13,12 @@ The interruptible loop — a weight-update pause aborts requests with their part
 ```
 Each token records the version of the reply that carried it, so tokens before a weight update keep
 the old version and later ones the new. Connection errors are retried with backoff; HTTP errors
-and timeouts are not (they name the server). This module knows nothing of rewards or trajectories.
+are not (they name the server). A /generate attempt that outlives `request_timeout_s` is dropped
+(the server aborts a request whose client went away) and the request is sent again — to the least
+loaded other UP server when there is one — with the prompt + the tokens already held, up to
+`max_timeout_retries` times; then `GenerationTimeout` names every server it timed out on. Only the
+request is retried, never its group. (The dropped attempt's own tokens are lost: a non-streaming
+reply carries none until it ends.) This module knows nothing of rewards or trajectories.
 
 Health — every server is UP or DOWN; routing (least loaded, sticky keys) only picks UP servers:
 ```
@@ -51,6 +56,14 @@ class GenerationError(RuntimeError):
     """A generation call failed; the message names the server."""
 
 
+class GenerationTimeout(GenerationError):
+    """A request outlived its timeout; the message names the server (for a retried one, every server)."""
+
+    def __init__(self, url: str, message: str):
+        super().__init__(message)
+        self.url = url
+
+
 class ServerDownError(GenerationError):
     """A server could not be reached (after the retries) or was marked DOWN while a call was on it."""
 
@@ -83,6 +96,7 @@ class GenerationResult:
     matched_stop: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     num_failovers: int = 0  # times the request moved to another server because its server went DOWN
+    num_timeouts: int = 0  # attempts that timed out and were sent again (see `max_timeout_retries`)
 
 
 def parse_reply(reply: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
@@ -104,10 +118,11 @@ class GenerationClient:
                  api_key: str | None = None, max_connection_retries: int = 4, retry_backoff_s: float = 0.5,
                  max_interruptions: int = 1000, sticky_keys: int = 100_000, health_interval_s: float | None = 2.0,
                  health_timeout_s: float = 5.0, health_failures_to_down: int = 2, down_wait_s: float | None = None,
-                 max_failovers: int = 100):
+                 max_failovers: int = 100, max_timeout_retries: int = 2):
         """`health_interval_s` None/0 disables the probe (then DOWN servers never come back and generate
         fails at once when none is UP). `down_wait_s`: how long generate waits for an UP server when
-        none is left (default `request_timeout_s`)."""
+        none is left (default `request_timeout_s`). `max_timeout_retries`: how many times one generate
+        call sends a timed-out request again before it raises `GenerationTimeout`."""
         if not server_urls:
             raise ValueError("GenerationClient needs at least one server URL")
         self.server_urls = [u.rstrip("/") for u in server_urls]
@@ -121,6 +136,7 @@ class GenerationClient:
         self.health_failures_to_down = max(1, health_failures_to_down)
         self.down_wait_s = request_timeout_s if down_wait_s is None else down_wait_s
         self.max_failovers = max_failovers
+        self.max_timeout_retries = max(0, max_timeout_retries)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
@@ -226,6 +242,16 @@ class GenerationClient:
                 self._sticky.popitem(last=False)
         return url
 
+    def _pick_other(self, url: str) -> str:
+        """The least in-flight UP server other than `url` (for a timed-out request), else `url`. The
+        group's sticky server is left as it is: its other samples are not slow."""
+        others = [u for u in self.server_urls if u != url and self._state[u].up]
+        if not others:
+            return url
+        low = min(self.inflight[u] for u in others)
+        cands = [u for u in others if self.inflight[u] == low]
+        return cands[next(self._rr) % len(cands)]
+
     async def _route(self, key: str | None, doing: str) -> str:
         """pick_server, waiting up to down_wait_s for the probe to bring a server back when none is UP."""
         loop = asyncio.get_running_loop()
@@ -274,8 +300,8 @@ class GenerationClient:
                     raise ServerDownError(url, f"{err} (server marked down: {st.last_error})") from e
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             except asyncio.TimeoutError as e:
-                raise GenerationError(f"{method} {url}{path} timed out after "
-                                      f"{timeout_s or self.request_timeout_s:.0f}s") from e
+                raise GenerationTimeout(url, f"{method} {url}{path} timed out after "
+                                             f"{timeout_s or self.request_timeout_s:g}s") from e
 
     async def model_info(self, url: str) -> dict[str, Any]:
         return await self._request("GET", url.rstrip("/"), "/model_info")
@@ -383,7 +409,8 @@ class GenerationClient:
         out_ids: list[int] = []
         out_lps: list[float] = []
         out_vers: list[int] = []
-        interruptions = failovers = 0
+        interruptions = failovers = timeouts = 0
+        timed_out_on: list[str] = []
         t0 = time.perf_counter()
         self.inflight[url] = self.inflight.get(url, 0) + 1
         try:
@@ -397,10 +424,27 @@ class GenerationClient:
                     sp["sampling_seed"] = sampling_seed
                 if ignore_eos:
                     sp["ignore_eos"] = True
+                # A fresh rid per failover / timeout retry: a server that still holds an old attempt
+                # never sees a duplicate rid.
+                suffix = (f".f{failovers}" if failovers else "") + (f".t{timeouts}" if timeouts else "")
                 body = {"input_ids": list(input_ids) + out_ids, "sampling_params": sp, "return_logprob": True,
-                        "rid": f"{rid}.f{failovers}" if failovers else rid}
+                        "rid": rid + suffix}
                 try:
                     reply = await self._attempt(url, body)
+                except GenerationTimeout as e:
+                    timeouts += 1
+                    timed_out_on.append(url)
+                    if timeouts > self.max_timeout_retries:
+                        raise GenerationTimeout(url, f"generate rid={rid}: timed out {timeouts} times "
+                                                     f"(request_timeout_s={self.request_timeout_s:g}) on "
+                                                     f"{', '.join(timed_out_on)}; last: {e}") from e
+                    new_url = url if pinned else self._pick_other(url)
+                    log.warning("rid=%s: %s; sending it again (%d/%d) to %s with the %d/%d tokens held", rid, e,
+                                timeouts, self.max_timeout_retries, new_url, len(out_ids), max_new_tokens)
+                    self.inflight[url] -= 1
+                    self.inflight[new_url] = self.inflight.get(new_url, 0) + 1
+                    url = new_url
+                    continue
                 except ServerDownError as e:
                     if pinned or failovers >= self.max_failovers:
                         raise
@@ -439,7 +483,7 @@ class GenerationClient:
                                         finish_reason=ftype, server=url, num_interruptions=interruptions,
                                         prompt_tokens=len(input_ids), latency_s=time.perf_counter() - t0,
                                         matched_stop=fr.get("matched") if isinstance(fr, dict) else None,
-                                        num_failovers=failovers)
+                                        num_failovers=failovers, num_timeouts=timeouts)
         finally:
             self.inflight[url] -= 1
 

@@ -87,7 +87,7 @@ GENERATE_META = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
-               "/begin_weight_update", "/end_weight_update"}
+               "/begin_weight_update", "/end_weight_update", "/get_weights_by_name"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 
@@ -198,6 +198,7 @@ class GenerationServer:
         r.add_post("/update_weights_from_distributed", self.update_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_disk", self.update_disk)
+        r.add_post("/get_weights_by_name", self.weights_by_name)
         r.add_post("/begin_weight_update", self.begin_end)
         r.add_post("/end_weight_update", self.begin_end)
         if not self.args.disable_metrics:  # metrics.prometheus=false: no /metrics (404)
@@ -815,7 +816,9 @@ class GenerationServer:
         return web.json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.scheduler.busy:
+        # SGLang's rule: refused while requests run or wait in the scheduler; requests held by a pause
+        # wait in SGLang's tokenizer, so they do not count (the pusher flushes while paused).
+        if self.scheduler.running or self.scheduler.waiting:
             return error("Cache not flushed: there are running or waiting requests. Pause first.", 400)
         # No prefix cache to drop: the batch cache lives only as long as its rows.
         return web.json_response({"success": True, "message": "Cache flushed."})
@@ -824,6 +827,22 @@ class GenerationServer:
         return web.json_response({"success": True, "message": ""})
 
     # ---------------------------------------------------------------- weights
+    async def weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's `/get_weights_by_name`: the first `truncate_size` rows of one parameter as nested
+        lists of floats (exact for every served dtype), read on the engine thread (never half-loaded).
+        Admin-only here: weights are the learner's product."""
+        b = await self._json(request)
+        name, k = b.get("name"), b.get("truncate_size", 100)
+        if not isinstance(name, str) or not isinstance(k, int) or k < 1:
+            raise BadRequest("get_weights_by_name needs {\"name\": str, \"truncate_size\": int ≥ 1}")
+        own = self.runner.named_weights()
+        if name not in own:
+            raise BadRequest(f"no parameter {name!r}: see the model's state_dict names")
+
+        def read():
+            return own[name].detach()[:k].to("cpu", torch.float32).tolist()
+        return web.json_response(await self.scheduler.run_on_engine(read))
+
     async def init_group(self, request: web.Request) -> web.Response:
         b = await self._json(request)
         try:
@@ -872,6 +891,13 @@ class GenerationServer:
             if b.get("weight_version") is not None:
                 self._set_version(str(b["weight_version"]))
             metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
+            # SGLang's rule: `flush_cache` (default true) flushes after the load, and a flush refused
+            # because requests still run fails the update. No prefix cache here, but the same answer.
+            # (Requests held by the pause are not running: SGLang's tokenizer holds those too.)
+            if b.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
+                return web.json_response({"success": False, "message": (
+                    "Weights were updated, but the cache was not flushed because requests are still running "
+                    "or queued. Retract or finish them, then call /flush_cache.")})
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
@@ -967,8 +993,8 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    log.info("serving %s on http://%s:%d (weight_version %s)", args.model_path, args.host, args.port,
-             server.scheduler.weight_version)
+    log.info("serving %s on http://%s:%d (weight_version %s, dtype %s, context %d tokens)", args.model_path,
+             args.host, args.port, server.scheduler.weight_version, args.dtype, args.max_context_len)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,8 +1,10 @@
 """`python -m sglang.launch_server` commands for the generation servers of a placement.
 
-Pure argument construction: this module starts nothing, imports neither torch nor sglang (except
-in `require_sglang` / `sglang_server_flags`, which the launcher calls just before it starts real
-servers), and knows nothing of the rollout client. The launcher turns each `SGLangProcess` into
+Pure argument construction: this module imports neither torch nor sglang and knows nothing of the
+rollout client. SGLang lives in its own environment (it pins its own torch, the learner pins
+another): ``server.python`` names the interpreter that runs ``sglang.launch_server``, and
+`require_sglang` / `sglang_server_flags` ask *that* interpreter (a short subprocess) for the
+installed release and for the flags of SGLang's own argument parser. The launcher turns each `SGLangProcess` into
 one child process on its node and waits for the server's `/health`.
 
 One generation server per data-parallel replica of the generation allocation (``--dp-size 1``:
@@ -13,7 +15,8 @@ SGLang's distributed weight update requires it)::
         processes      one per node it spans (node-rank 0 serves HTTP; the others only compute)
             argv       python -m sglang.launch_server --model-path … --tp-size t --pp-size p
                        --base-gpu-id <first local device on that node> --random-seed <seed k> …
-            env        NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0  (an overlay on the node's environment)
+            env        NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0 SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false
+                       (an overlay on the node's environment)
 
 Decisions (see PROTOCOL.md "Launching real SGLang"):
 
@@ -37,13 +40,22 @@ Decisions (see PROTOCOL.md "Launching real SGLang"):
 * **Release differences**: ``supported_flags`` (from `sglang_server_flags`) drops
   ``--weight-version`` on releases that lack it (0.4.x: the server then reports ``"default"``)
   and refuses an ``--admin-api-key`` that the release cannot enforce.
+* **Supported releases** (`SUPPORTED_SGLANG`): the ones whose request types, routes and weight
+  receiver the conformance suite (tests/conformance) checks; `require_sglang` refuses others,
+  naming the installed version and the range.
+* **``/health`` without generation**: SGLang's ``/health`` generates one token, which waits while
+  the server is paused for a weight update (then 503 after ~20 s); the servers run with
+  ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``, so ``/health`` answers 200 while the HTTP
+  server is up, paused or not (the embedded server follows the same rule). Liveness of the
+  scheduler is then judged by the requests themselves (the client's timeouts).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
+import json
+import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -60,6 +72,16 @@ WEIGHT_GROUP_ENV: dict[str, str] = {
     "NCCL_CUMEM_ENABLE": "0",
     "NCCL_NVLS_ENABLE": "0",
 }
+SERVER_ENV: dict[str, str] = {
+    **WEIGHT_GROUP_ENV,
+    # /health answers without generating a token, so it answers while paused (see the module doc).
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+}
+"""Environment overlay for every ``sglang.launch_server`` process."""
+SUPPORTED_SGLANG = (">=0.5.21", "<0.5.24")
+"""Releases the conformance suite covers (CI runs 0.5.23, what ``.[sglang]`` resolves to): 0.5.21
+made ``ServerArgs`` a msgspec Struct and added ``/begin_weight_update``; the range must match
+pyproject.toml's ``sglang`` extra."""
 TRAINER_WEIGHT_GROUP_ENV: dict[str, str] = {
     **WEIGHT_GROUP_ENV,
     # Under torchrun, rank 0's TCPStore for the weight group must not be the elastic agent's store.
@@ -77,7 +99,7 @@ class SGLangArgsError(ValueError):
 
 
 class SGLangNotInstalled(RuntimeError):
-    """sglang is not importable here."""
+    """``server.python`` cannot run sglang (absent, unsupported release, or the interpreter fails)."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +256,7 @@ def build_sglang_servers(
                 argv += ["--dist-init-addr", f"{node_hosts[shares[0][0]]}:{dist_init_ports[k]}",
                          "--nnodes", str(len(shares)), "--node-rank", str(rank)]
             argv += list(extra_args)
-            procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(WEIGHT_GROUP_ENV)))
+            procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(SERVER_ENV)))
         out.append(SGLangServer(index=sp.index, url=f"http://{_url_host(node_addr)}:{ports[k]}", host=bind,
                                 port=ports[k], tp=gen.tp, pp=gen.pp, seed=seed_list[k], processes=tuple(procs)))
     return out
@@ -272,34 +294,88 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the real package
-def require_sglang() -> str:
-    """sglang's version; raises `SGLangNotInstalled` (naming the extra to install) if it is absent.
+_VERSION_SCRIPT = "import importlib.metadata as m; print(m.version('sglang'))"
+# SGLang's own parser (from 0.5.21 ServerArgs is a msgspec Struct, so its fields are no longer
+# dataclass fields); every ``--flag`` spelling it accepts, aliases included.
+_FLAGS_SCRIPT = """\
+import argparse, json
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser()
+ServerArgs.add_cli_args(p)
+print(json.dumps(sorted(o for o in p._option_string_actions if o.startswith("--"))))
+"""
 
-    Only the find is done here (cheap); importing sglang pulls in torch and CUDA.
-    """
-    if importlib.util.find_spec("sglang") is None:
-        raise SGLangNotInstalled(
-            f"generation backend 'sglang' needs the sglang package, which {sys.executable} cannot import: "
-            "pip install .[sglang] (GPU machines), or use the embedded backend (--allocation embedded.…)"
-        )
+
+def _run_in(python: str, script: str, what: str, timeout_s: float) -> str:
+    """stdout of ``python -c script``; errors name ``server.python``, the interpreter and ``what``."""
     try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        raise SGLangNotInstalled(f"server.python = {python!r} does not exist: set it to the interpreter of the "
+                                 "SGLang environment (scripts/setup.sh --sglang builds .venv-sglang)") from None
+    except subprocess.TimeoutExpired:
+        raise SGLangNotInstalled(f"server.python = {python!r} did not finish {what} within {timeout_s:.0f}s") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise SGLangNotInstalled(f"server.python = {python!r} failed {what} (exit {proc.returncode}): "
+                                 + " | ".join(tail))
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
 
 
-def sglang_server_flags() -> frozenset[str]:
+def _version_tuple(v: str) -> tuple[int, ...]:
+    """The release numbers of ``v`` (``0.5.23rc1`` → ``(0, 5, 23)``); () when it has none."""
+    m = re.match(r"\d+(?:\.\d+)*", v.strip())
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def sglang_version_supported(version: str) -> bool:
+    """Whether ``version`` lies in `SUPPORTED_SGLANG` (``>=low,<high``, release numbers compared)."""
+    low, high = (_version_tuple(b.lstrip("<>=")) for b in SUPPORTED_SGLANG)
+    v = _version_tuple(version)
+    return bool(v) and low <= v < high
+
+
+def require_sglang(python: str | None = None, timeout_s: float = 120.0) -> str:
+    """The sglang release installed for ``python`` (``server.python``; None = this interpreter).
+
+    Raises `SGLangNotInstalled` naming the key, the interpreter, the installed version and
+    `SUPPORTED_SGLANG` when sglang is absent there or its release is outside the range. Runs a
+    subprocess: the launcher never imports sglang (it pins another torch than the learner).
+    """
+    python = python or sys.executable
+    script = "import importlib.util\nif importlib.util.find_spec('sglang') is None: print('<absent>')\nelse: " \
+        + _VERSION_SCRIPT
+    version = _run_in(python, script, "reporting its sglang version", timeout_s) or "unknown"
+    supported = ",".join(SUPPORTED_SGLANG)
+    if version == "<absent>":
+        raise SGLangNotInstalled(
+            f"generation backend 'sglang' needs the sglang package, which server.python = {python!r} cannot "
+            f"import: build its environment with scripts/setup.sh --sglang (sglang{supported}) and set "
+            "server.python to .venv-sglang/bin/python, or use the embedded backend (--allocation embedded.…)")
+    if not sglang_version_supported(version):
+        raise SGLangNotInstalled(
+            f"server.python = {python!r} has sglang {version}, outside the supported range sglang{supported} "
+            f"(the releases the conformance suite checks): pip install 'sglang{supported}' there "
+            "(scripts/setup.sh --sglang)")
+    return version
+
+
+def sglang_server_flags(python: str | None = None, timeout_s: float = 300.0) -> frozenset[str]:
     """The ``--flags`` the installed SGLang's ``launch_server`` accepts (for ``supported_flags``).
 
-    Read from ``ServerArgs``' fields (``tp_size`` → ``--tp-size``), which every release since 0.4
-    derives its command line from. Imports sglang: call it on the machine that runs the servers.
+    Read from SGLang's own argparse parser (``ServerArgs.add_cli_args``) by ``python``
+    (``server.python``; None = this interpreter) in a subprocess, never imported here. Run it on
+    the machine that runs the servers; importing sglang takes a while, hence the long timeout.
     """
-    require_sglang()
-    import dataclasses
-
-    from sglang.srt.server_args import ServerArgs
-
-    return frozenset("--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerArgs))
+    python = python or sys.executable
+    out = _run_in(python, _FLAGS_SCRIPT, "reading SGLang's command-line flags (ServerArgs.add_cli_args)", timeout_s)
+    try:
+        flags = json.loads(out)
+    except ValueError:
+        raise SGLangNotInstalled(f"server.python = {python!r} printed no flag list: {out[:200]!r}") from None
+    if "--model-path" not in flags:
+        raise SGLangNotInstalled(f"server.python = {python!r}: SGLang's parser has no --model-path ({len(flags)} flags)")
+    return frozenset(flags)
 
 
 # ------------------------------------------------------------------------------------- helpers

@@ -102,7 +102,14 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(s, stop.set)
 
-    slots = asyncio.Semaphore(cfg.rollout.max_concurrent_groups)
+    # `launcher run` resolved a null max_concurrent_groups into config.json; resolved the same way here
+    # otherwise (from the allocation's generation backend).
+    from allocation import parse_allocation
+
+    gen = parse_allocation(cfg.allocation).generation
+    max_groups = cfg.resolved_max_concurrent_groups(num_servers=len(endpoints.servers),
+                                                    sglang=gen is not None and gen.backend == "sglang")
+    slots = asyncio.Semaphore(max_groups)
     inflight: set[asyncio.Task] = set()
     retry: list = []  # prompts whose group failed: tried again before new ones
     # A re-run of the same run dir continues this worker's group numbers and prompt order where the
@@ -116,7 +123,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
         _log(index, f"resuming at group w{index}-{seq}, epoch {prompts.epoch} position {prompts.position}")
 
     async with GenerationClient(endpoints.servers, request_timeout_s=cfg.rollout.request_timeout_s,
-                                api_key=cfg.server.api_key) as client:
+                                max_timeout_retries=cfg.rollout.request_retries, api_key=cfg.server.api_key) as client:
         from areal_like.rollout.dump import DumpWriter
         from areal_like.workflow import WorkflowRunner
 
@@ -188,7 +195,8 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
 
             eval_task.add_done_callback(_eval_done)
             _log(index, f"evaluator: {len(evaluator.prompts)} validation prompts × eval.n={cfg.eval.n}")
-        _log(index, f"started: {len(dataset)} prompts (shard {index}/{n_workers}), servers {endpoints.servers}")
+        _log(index, f"started: {len(dataset)} prompts (shard {index}/{n_workers}), servers {endpoints.servers}, "
+                    f"{max_groups} groups in flight at most (rollout.max_concurrent_groups)")
         while not stop.is_set():
             await slots.acquire()
             got = False

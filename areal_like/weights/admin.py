@@ -3,8 +3,8 @@
 One aiohttp session to every generation server's admin routes: POST with the admin bearer token,
 a timeout, and every failure (HTTP status, timeout, connection, `success: false`) raised as a
 `WeightPushError` naming the server and path; fan-out to all servers; the optional
-/begin_weight_update and /end_weight_update around an update (probed once per server, a 404
-means the server does not speak them); `wait_servers`, the bounded wait for restarted servers
+/begin_weight_update and /end_weight_update around an update (probed once per server, a 404 —
+or a 401 on the probe, see `_begin_or_end` — means the server does not speak them); `wait_servers`, the bounded wait for restarted servers
 that both pushers' `reform()` starts with.
 """
 
@@ -37,12 +37,13 @@ class ServerAdmin:
 
     # ---------------------------------------------------------------- HTTP helpers
     async def _post(self, url: str, path: str, body: dict[str, Any], *, timeout_s: float | None = None,
-                    allow_404: bool = False) -> dict[str, Any] | None:
+                    allow_404: bool = False, absent: frozenset[int] = frozenset({404})) -> dict[str, Any] | None:
+        """POST; with `allow_404`, a status in `absent` (the route does not exist) returns None."""
         assert self._session is not None, "call init() first"
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             async with self._session.post(url + path, json=body, headers=self._headers, timeout=timeout) as resp:
-                if allow_404 and resp.status == 404:
+                if allow_404 and resp.status in absent:
                     return None
                 text = await resp.text()
                 if resp.status != 200:
@@ -63,10 +64,21 @@ class ServerAdmin:
         return await asyncio.gather(*(self._post(u, path, body, **kw) for u in self.server_urls))
 
     async def _begin_or_end(self, path: str) -> None:
+        """/begin_weight_update or /end_weight_update on every server that speaks them (SGLang ≥ 0.5.21).
+
+        The first /begin_weight_update per server is the probe: a 404 means the route does not exist.
+        So does a 401 there, and only there: SGLang's auth middleware gives an unknown route the
+        NORMAL level, which wants `--api-key`, not the admin key we send (0.5.10–0.5.19 with
+        `server.api_key` set). The probe runs right after /pause_generation succeeded with the same
+        header, and every existing admin route accepts what pause accepted, so a 401 there cannot be
+        a wrong admin key. Once a server is known to speak them, every status but 200 is an error."""
         async def one(url: str):
-            if self._begin_end.get(url) is False:
+            known = self._begin_end.get(url)
+            if known is False:
                 return
-            r = await self._post(url, path, {}, allow_404=True)
+            probe = known is None and path == "/begin_weight_update"
+            r = await self._post(url, path, {}, allow_404=known is None,
+                                 absent=frozenset({404, 401}) if probe else frozenset({404}))
             self._begin_end[url] = r is not None
         await asyncio.gather(*(one(u) for u in self.server_urls))
 

@@ -27,6 +27,7 @@ import torch
 
 from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError
+from areal_like.weights.receive import parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +36,11 @@ _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
-def write_hf_checkpoint(named_tensors: list[tuple[str, torch.Tensor]], out_dir: str, model_path: str | None) -> int:
+def write_hf_checkpoint(named_tensors: list[tuple[str, torch.Tensor]], out_dir: str, model_path: str | None,
+                        dtype: torch.dtype | None = None) -> int:
     """Write `out_dir` atomically (a tmp dir renamed into place): model.safetensors with the named
-    tensors plus every non-weight file of `model_path` (config.json, tokenizer files). Returns bytes."""
+    tensors (floating-point ones cast to `dtype`, None = as they are) plus every non-weight file of
+    `model_path` (config.json, tokenizer files). Returns bytes."""
     from safetensors.torch import save_file
 
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -50,7 +53,8 @@ def write_hf_checkpoint(named_tensors: list[tuple[str, torch.Tensor]], out_dir: 
         seen: set[int] = set()
         nbytes = 0
         for name, t in named_tensors:
-            t = t.detach().to("cpu").contiguous()
+            # One cast per tensor, on its way to host memory (the servers load what they hold).
+            t = t.detach().to("cpu", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
             # safetensors refuses tensors sharing storage (tied embeddings): give repeats their own copy.
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:
@@ -77,8 +81,10 @@ class DiskWeightPusher(ServerAdmin):
     """Push weights as an HF checkpoint dir the servers load with /update_weights_from_disk."""
 
     def __init__(self, servers: list[str], *, out_dir: str, model_path: str | None = None, timeout_s: float = 300.0,
-                 admin_api_key: str | None = None, keep: int = 2):
+                 admin_api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None):
         super().__init__(servers, timeout_s=timeout_s, admin_api_key=admin_api_key)
+        # The servers' dtype (`server.dtype`): floating-point tensors are written in it. None = as they are.
+        self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
         if keep < 1:
             raise ValueError("keep must be ≥ 1: the newest version dir is the one the servers load")
         self.out_dir = os.path.abspath(out_dir)
@@ -104,7 +110,7 @@ class DiskWeightPusher(ServerAdmin):
         t0 = time.perf_counter()
         path = self.version_dir(version)
         # Written before the pause: generation does not wait for the disk.
-        nbytes = await asyncio.to_thread(write_hf_checkpoint, named_tensors, path, self.model_path)
+        nbytes = await asyncio.to_thread(write_hf_checkpoint, named_tensors, path, self.model_path, self.dtype)
         t_written = time.perf_counter()
         await self._all("/pause_generation", {"mode": "abort"})
         t_paused = time.perf_counter()

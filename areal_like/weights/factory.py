@@ -18,11 +18,18 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     distributed: bucketed broadcast in a group rank 0 forms on `weight_port`; a fresh group name per
     incarnation (a learner that died mid-push leaves its group behind on the servers).
     disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept), configs and
-    tokenizer files copied from `model_path`; `weight_port` and `incarnation` are unused."""
+    tokenizer files copied from `model_path`; `weight_port` and `incarnation` are unused.
+    Both cast floating-point tensors to the servers' dtype (`server.dtype`)."""
     mode = cfg.weights.mode
+    if mode not in ("distributed", "disk"):
+        raise ValueError(f"weights.mode={mode!r}: use 'distributed' or 'disk'")
+    # The servers' dtype (`launcher run` resolved `auto` into config.json; a config that did not pass
+    # through it resolves here the same way, SGLang being the NCCL group's peer). Every push casts to it.
+    dtype = cfg.resolved_server_dtype(sglang=endpoints.weight_backend == "nccl")
     if mode == "disk":
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
-                                timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key)
+                                timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
+                                dtype=dtype)
     if mode == "distributed":
         devices = endpoints.server_devices
         if devices is not None:  # per server: a device count, or its device list (count = its length)
@@ -31,6 +38,6 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
             endpoints.servers, master_addr=endpoints.learner_host, master_port=weight_port,
             backend=endpoints.weight_backend, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
             timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
-            devices_per_server=devices, group_name=f"weight_update_group_{incarnation}",
+            devices_per_server=devices, group_name=f"weight_update_group_{incarnation}", dtype=dtype,
         )
     raise ValueError(f"weights.mode={mode!r}: use 'distributed' or 'disk'")

@@ -112,8 +112,10 @@ def init_weight_group(*, master_address: str, master_port: int, world_size: int,
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     group = WeightGroup(pg, group_name=group_name, rank=rank, world_size=world_size, master=master,
                         backend=backend, timeout_s=timeout_s, store=store)
-    # Gloo connects lazily on the first collective; a barrier-like broadcast makes "joined" mean joined.
-    # (NCCL needs the tensor on this process's current CUDA device.)
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    group.broadcast(torch.zeros(1, dtype=torch.int32, device=dev), src=0, what="the join handshake")
+    # No collective here: SGLang's `init_weights_update_group` (init_custom_process_group) creates the
+    # group and returns, and its first collective is the first bucket's broadcast; an extra "join
+    # handshake" broadcast would wait for a peer that never joins it. Joined means, for the trainer:
+    # this call returned AND every server answered /init_weights_update_group (a server answers only
+    # after its own group creation returned) — `WeightPusher` awaits both. The embedded server's
+    # receiver uses this same function, so group formation is the same for both peers.
     return group

@@ -5,7 +5,7 @@ One push (PROTOCOL.md "Order of one update"):
  pause(abort) all ──► for each bucket:  POST metadata to all servers (not awaited)
                                         broadcast the flattened bucket as rank 0   (thread)
                                         collect the replies  — at most one bucket in flight
-                 ──► continue all
+                 ──► /flush_cache all (once) ──► continue all
 ```
 The HTTP calls that block on the group (init, each update) are sent first and awaited last, because
 each server answers only after the collective it is waiting for. Blocking torch.distributed work
@@ -29,18 +29,30 @@ from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
 from areal_like.api.net import free_port
 from areal_like.weights.group import WeightGroup, init_weight_group
-from areal_like.weights.receive import dtype_name
+from areal_like.weights.receive import dtype_name, parse_dtype
 
 log = logging.getLogger(__name__)
 
 
-def make_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Cut the tensors, in order, into buckets of at most `bucket_bytes` (a bigger tensor goes alone)."""
+def wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `t` travels in: the servers' `dtype` for floating-point tensors (None = as it is);
+    integer and bool buffers are never cast."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def wire_nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    return t.numel() * wire_dtype(t, dtype).itemsize
+
+
+def make_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 dtype: torch.dtype | None = None) -> list[list[tuple[str, torch.Tensor]]]:
+    """Cut the tensors, in order, into buckets of at most `bucket_bytes` as sent (cast to `dtype`;
+    a bigger tensor goes alone)."""
     buckets: list[list[tuple[str, torch.Tensor]]] = []
     cur: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named_tensors:
-        n = t.numel() * t.element_size()
+        n = wire_nbytes(t, dtype)
         if cur and size + n > bucket_bytes:
             buckets.append(cur)
             cur, size = [], 0
@@ -51,15 +63,49 @@ def make_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: in
     return buckets
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensors' bytes concatenated in order: one uint8 tensor (on the tensors' device).
+def align_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+                 ) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors ordered by element size as sent (`wire_dtype`), largest first (stable
+    within one size).
 
-    With `out` (a uint8 buffer at least that big) the bytes land in its prefix, which is returned."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+    A flattened bucket carries no padding: the receiver (SGLang's `FlattenedTensorBucket.empty`, and
+    ours) places tensor i at the sum of the earlier tensors' bytes and refuses an offset that is not
+    a multiple of its dtype's size. Element sizes are powers of two and every tensor's byte size is a
+    multiple of its own, so in this order every offset is aligned: a bucket mixing e.g. bool and fp32
+    tensors in model order (fp32 after an odd-sized bool) would otherwise be rejected."""
+    return sorted(bucket, key=lambda nt: -wire_dtype(nt[1], dtype).itemsize)
+
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensors' bytes (floating-point ones cast to `dtype`) concatenated in order: one uint8
+    tensor (on the tensors' device).
+
+    With `out` (a uint8 buffer at least that big) the bytes land in its prefix, which is returned.
+    A cast writes straight into the buffer (`copy_` converts): no cast copy of the model, nor of a
+    bucket, is ever held besides the buffer."""
+    if dtype is None or all(wire_dtype(t, dtype) == t.dtype for _, t in bucket):
+        parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+        if out is None:
+            return torch.cat(parts)
+        n = sum(p.numel() for p in parts)
+        return torch.cat(parts, out=out[:n])
+    n = sum(wire_nbytes(t, dtype) for _, t in bucket)
     if out is None:
-        return torch.cat(parts)
-    n = sum(p.numel() for p in parts)
-    return torch.cat(parts, out=out[:n])
+        out = torch.empty(n, dtype=torch.uint8, device=bucket[0][1].device)
+    off = 0
+    for _, t in bucket:
+        wd, size = wire_dtype(t, dtype), wire_nbytes(t, dtype)
+        dst = out[off:off + size]
+        src = t.detach().reshape(-1)
+        if wd == t.dtype:
+            dst.copy_(src.contiguous().view(torch.uint8))
+        elif off % wd.itemsize == 0:
+            dst.view(wd).copy_(src)  # the cast lands in the bucket
+        else:  # an offset not aligned to the dtype (after an odd-sized tensor): one tensor's cast copy
+            dst.copy_(src.to(wd).view(torch.uint8))
+        off += size
+    return out[:n]
 
 
 class _FlatBuffers:
@@ -82,8 +128,12 @@ class WeightPusher(ServerAdmin):
     def __init__(self, server_urls: list[str], *, master_addr: str = "127.0.0.1", master_port: int,
                  backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
                  admin_api_key: str | None = None, group_name: str = "weight_update_group",
-                 devices_per_server: list[int] | None = None, flattened: bool = True):
+                 devices_per_server: list[int] | None = None, flattened: bool = True,
+                 dtype: str | torch.dtype | None = None):
         super().__init__(server_urls, timeout_s=timeout_s, admin_api_key=admin_api_key)
+        # The servers' dtype (`server.dtype`): floating-point tensors are cast to it in the bucket, so
+        # the wire carries what the servers hold. None = push every tensor in its own dtype.
+        self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
         self.master_addr = master_addr
         self.master_port = master_port
         self.backend = backend
@@ -198,13 +248,14 @@ class WeightPusher(ServerAdmin):
         if self.group is None:
             raise WeightPushError("push() before init(): the weight group does not exist")
         t0 = time.perf_counter()
-        buckets = make_buckets(named_tensors, self.bucket_bytes)
+        dt = self.dtype
+        buckets = [align_bucket(b, dt) for b in make_buckets(named_tensors, self.bucket_bytes, dt)]
         total_bytes = 0
 
         def flatten(i: int) -> torch.Tensor:
             b = buckets[i]
-            nbytes = sum(t.numel() * t.element_size() for _, t in b)
-            return flatten_bucket(b, out=self._flat.get(i, nbytes, b[0][1].device))
+            nbytes = sum(wire_nbytes(t, dt) for _, t in b)
+            return flatten_bucket(b, out=self._flat.get(i, nbytes, b[0][1].device), dtype=dt)
 
         # The first bucket is flattened before the pause: generation does not wait for it.
         next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, 0)) if self.flattened and buckets else None
@@ -215,10 +266,12 @@ class WeightPusher(ServerAdmin):
             last = i == len(buckets) - 1
             body = {
                 "names": [n for n, _ in bucket],
-                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                "dtypes": [dtype_name(wire_dtype(t, dt)) for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket],
                 "group_name": self.group_name,
-                "flush_cache": False,  # paused already; a flush while requests run kills some SGLang releases
+                # No flush per bucket (0.5.5–0.5.21: a flush while requests run kills the scheduler); one
+                # /flush_cache per update below, once every bucket landed.
+                "flush_cache": False,
                 "abort_all_requests": False,
                 # Only the last bucket sets the version: a server never reports a half-landed one.
                 "weight_version": str(version) if last else None,
@@ -233,14 +286,18 @@ class WeightPusher(ServerAdmin):
                 total_bytes += buf.numel()
                 coll = lambda buf=buf, i=i: self.group.broadcast(buf, 0, what=f"bucket {i}")  # noqa: E731
             else:
-                tensors = [(n, t.detach().contiguous()) for n, t in bucket]
-                total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                total_bytes += sum(wire_nbytes(t, dt) for _, t in bucket)
 
-                def coll(tensors=tensors):
-                    for n, t in tensors:
-                        self.group.broadcast(t, 0, what=f"tensor {n!r}")
+                def coll(bucket=bucket):
+                    for n, t in bucket:  # cast one tensor at a time, right before it is sent
+                        self.group.broadcast(t.detach().to(wire_dtype(t, dt)).contiguous(), 0, what=f"tensor {n!r}")
             await self._with_collective(http, coll)
         await self._begin_or_end("/end_weight_update")
+        # One cache flush per update, before continue: SGLang keeps finished and aborted requests'
+        # prefixes in its radix cache, so a resubmitted prefix would continue on the old weights' KV
+        # while labelled with the new version. Paused (abort), nothing runs, so the flush is accepted
+        # (requests sent meanwhile wait in SGLang's tokenizer, not in the scheduler).
+        await self._all("/flush_cache", {})
         await self._all("/continue_generation", {})
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)

@@ -41,7 +41,9 @@ def unflatten_bucket(buf_u8: torch.Tensor, names: list[str], dtypes: list[torch.
         nbytes = numel * torch.empty((), dtype=dt).element_size()
         chunk = buf_u8[off:off + nbytes]
         if off % torch.empty((), dtype=dt).element_size():
-            chunk = chunk.clone()  # .view(dtype) needs an aligned storage offset
+            # SGLang's rule (FlattenedTensorBucket.empty): a bucket carries no padding, so the sender
+            # orders tensors to keep every offset aligned (`push.align_bucket`); refuse what it would.
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {off}, dtype {dt}")
         out[name] = chunk.view(dt).view(*shape) if nbytes else torch.empty(shape, dtype=dt, device=buf_u8.device)
         off += nbytes
     if off != buf_u8.numel():

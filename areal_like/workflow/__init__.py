@@ -90,7 +90,7 @@ class WorkflowRunner:
         c = self.cfg
         return EpisodeWorkflow(episode, self.client, self.reward_fn, c.generation, self.tokenizer,
                                producer=self.producer, seed=c.seed, multi_turn=c.rollout.multi_turn, tools=self.tools,
-                               max_context_len=c.server.max_context_len, name=name)
+                               max_context_len=c.resolved_max_context_len(), name=name)
 
     async def proxy(self):
         """The worker's one agent proxy, started by the first agent group (concurrent first groups wait
@@ -101,7 +101,7 @@ class WorkflowRunner:
 
                 c = self.cfg
                 proxy = AgentProxy(self.client, self.tokenizer, c.generation, c.rollout.multi_turn, seed=c.seed,
-                                   max_context_len=c.server.max_context_len)
+                                   max_context_len=c.resolved_max_context_len())
                 await proxy.start()
                 self._proxy = proxy
         return self._proxy

@@ -259,3 +259,19 @@ async def test_client_against_server(server):
         assert res.output_versions == [0] * 20 and res.server == server.url and res.num_interruptions == 0
         res2 = await client.generate([5, 6, 7], max_new_tokens=20, ignore_eos=True, sampling_seed=3, key="g")
         assert res2.output_ids == res.output_ids
+
+
+async def test_flush_while_paused_with_held_requests(server):
+    """The weight push flushes once while paused (issue 23): requests that arrived during the pause
+    are held, not running (SGLang holds them in its tokenizer), so the flush is accepted."""
+    url = server.url
+    st, _ = await post(url, "/pause_generation", {"mode": "abort"}, headers=ADMIN_H)
+    assert st == 200
+    held = asyncio.ensure_future(post(url, "/generate", long_req("held", n=5)))
+    await asyncio.sleep(0.2)  # let it arrive (held: the pause keeps it from the scheduler)
+    assert not held.done()
+    st, r = await post(url, "/flush_cache", {}, headers=ADMIN_H)
+    assert st == 200 and r["success"], r
+    await post(url, "/continue_generation", {}, headers=ADMIN_H)
+    st, r = await asyncio.wait_for(held, 60)
+    assert st == 200 and len(r["output_ids"]) == 5

@@ -1,10 +1,11 @@
 """Pure logic of the engine: sampling, counter RNG, weight buckets, client routing and reply parsing."""
 
+import pytest
 import torch
 
 from areal_like.engine.client import GenerationClient, parse_reply
 from areal_like.engine.sampling import derive_seed, sample_next, splitmix64, splitmix64_int, uniform_from_counter
-from areal_like.weights.push import flatten_bucket, make_buckets
+from areal_like.weights.push import align_bucket, flatten_bucket, make_buckets
 from areal_like.weights.receive import bucket_nbytes, unflatten_bucket
 
 
@@ -78,7 +79,7 @@ def test_buckets_roundtrip_mixed_dtypes():
     buckets = make_buckets(named, bucket_bytes=64)
     assert [n for b in buckets for n, _ in b] == ["a", "b", "c", "d"]
     assert all(len(b) >= 1 for b in buckets)
-    for b in buckets:
+    for b in map(align_bucket, buckets):
         buf = flatten_bucket(b)
         dts = [t.dtype for _, t in b]
         shapes = [list(t.shape) for _, t in b]
@@ -86,10 +87,15 @@ def test_buckets_roundtrip_mixed_dtypes():
         back = unflatten_bucket(buf, [n for n, _ in b], dts, shapes)
         for n, t in b:
             assert torch.equal(back[n], t)
-    # one bucket holding everything, with a misaligned fp32 after a 14-byte bf16
+    # an fp32 after a 14-byte bf16 sits at an unaligned offset: refused, as SGLang's receiver does
+    # (FlattenedTensorBucket.empty); the pusher's align_bucket orders the bucket so that it never is
     buf = flatten_bucket(named[1:3])
-    back = unflatten_bucket(buf, ["b", "c"], [torch.bfloat16, torch.float32], [[7], [2, 2]])
-    assert torch.equal(back["c"], named[2][1])
+    with pytest.raises(ValueError, match="Unaligned received tensor c"):
+        unflatten_bucket(buf, ["b", "c"], [torch.bfloat16, torch.float32], [[7], [2, 2]])
+    aligned = align_bucket(named[1:3])
+    assert [n for n, _ in aligned] == ["c", "b"]
+    back = unflatten_bucket(flatten_bucket(aligned), ["c", "b"], [torch.float32, torch.bfloat16], [[2, 2], [7]])
+    assert torch.equal(back["c"], named[2][1]) and torch.equal(back["b"], named[1][1])
 
 
 def test_client_routing_least_loaded_and_sticky():

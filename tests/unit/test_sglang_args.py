@@ -1,11 +1,14 @@
 """SGLang launch commands built from multi-node plans: argument construction only, nothing starts."""
 
 import asyncio
+import re
+import sys
 
 import pytest
 
 from allocation import place
 from areal_like.engine.sglang_args import (
+    SUPPORTED_SGLANG,
     TRAINER_WEIGHT_GROUP_ENV,
     SGLangArgsError,
     SGLangNotInstalled,
@@ -13,6 +16,8 @@ from areal_like.engine.sglang_args import (
     processes_on_node,
     redact_argv,
     require_sglang,
+    sglang_server_flags,
+    sglang_version_supported,
     weight_update_group_layout,
 )
 
@@ -47,7 +52,9 @@ def test_single_node_command_matches_protocol():
         "--skip-server-warmup", "--enable-metrics", "--base-gpu-id", "0",
     ]
     assert s.url == "http://127.0.0.1:30000" and s.node == 0 and s.devices == 1
-    assert p.env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+    # /health must answer while paused for a weight update (SGLang's generates a token otherwise)
+    assert p.env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0",
+                     "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
     assert "CUDA_VISIBLE_DEVICES" not in p.env  # devices are chosen by --base-gpu-id
     assert TRAINER_WEIGHT_GROUP_ENV["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
@@ -188,9 +195,82 @@ def test_release_differences_by_supported_flags():
         build("sglang:d1+fsdp:d1", None, supported_flags=old, admin_api_key="k")
 
 
-def test_require_sglang_names_the_extra(monkeypatch):
-    import importlib.util
+def test_require_sglang_names_the_key_and_the_setup(tmp_path):
+    """This interpreter has no sglang (the launcher never needs it): the error names server.python and
+    how to build SGLang's own environment."""
+    with pytest.raises(SGLangNotInstalled, match=r"server\.python = .*cannot import.*setup\.sh --sglang"):
+        require_sglang(None)
+    with pytest.raises(SGLangNotInstalled, match=r"server\.python = '/nonexistent/python' does not exist"):
+        require_sglang("/nonexistent/python")
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(SGLangNotInstalled, match=r"pip install \.\[sglang\]"):
-        require_sglang()
+
+def _fake_sglang(tmp_path, version: str, msgspec_server_args: bool = True) -> str:
+    """A python that imports a stand-in sglang of `version` (pure logic of the version/flag checks;
+    the conformance suite runs the real one): ServerArgs is a msgspec Struct, as from 0.5.21."""
+    pkg = tmp_path / "site" / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "srt" / "__init__.py").write_text("")
+    (pkg / "srt" / "server_args.py").write_text(
+        "import msgspec\n"
+        "class ServerArgs(msgspec.Struct):\n"
+        "    model_path: str = ''\n"
+        "    tp_size: int = 1\n"
+        "    @staticmethod\n"
+        "    def add_cli_args(parser):\n"
+        "        parser.add_argument('--model-path', '--model', type=str)\n"
+        "        parser.add_argument('--tp-size', '--tp', type=int)\n"
+        "        parser.add_argument('--weight-version', type=str)\n")
+    dist = tmp_path / "site" / f"sglang-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    return str(py)
+
+
+def test_flags_come_from_sglangs_own_parser_in_server_python(tmp_path):
+    """From 0.5.21 ServerArgs is a msgspec Struct (dataclasses.fields raises TypeError): the flags are
+    read from SGLang's argparse parser, aliases included, by the interpreter server.python names."""
+    py = _fake_sglang(tmp_path, "0.5.23")
+    assert sglang_server_flags(py) == {"--help", "--model-path", "--model", "--tp-size", "--tp", "--weight-version"}
+    assert require_sglang(py) == "0.5.23"
+    assert "sglang" not in sys.modules  # the launcher's process never imports it
+
+
+def test_releases_outside_the_supported_range_are_refused(tmp_path):
+    lo, hi = SUPPORTED_SGLANG
+    for version in ("0.4.10", "0.5.19", "0.5.24", "0.6.0"):
+        py = _fake_sglang(tmp_path / version, version)
+        with pytest.raises(SGLangNotInstalled, match=rf"sglang {re.escape(version)}, outside the supported range "
+                                                     rf"sglang{re.escape(lo)},{re.escape(hi)}"):
+            require_sglang(py)
+    assert sglang_version_supported("0.5.21") and sglang_version_supported("0.5.23.post1")
+
+
+def test_pyproject_extra_is_the_supported_range():
+    import tomllib
+    from pathlib import Path
+
+    extra = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["sglang"]
+    assert extra == ["sglang" + ",".join(SUPPORTED_SGLANG)]
+
+
+def test_transformers_lower_bound_admits_only_releases_the_learner_runs_on():
+    """The learner's pipeline stage calls `create_causal_mask(config=, inputs_embeds=, attention_mask=,
+    past_key_values=, position_ids=)`: before 5.4 the argument was `input_embeds` and `cache_position`
+    was required (4.57–5.3 fail at the first forward), so pyproject.toml must not admit them."""
+    import inspect
+    import tomllib
+    from pathlib import Path
+
+    from transformers.masking_utils import create_causal_mask
+
+    deps = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.startswith("transformers")]
+    low = re.search(r">=\s*([\d.]+)", spec).group(1)
+    assert tuple(int(x) for x in low.split(".")) >= (5, 4), spec
+    params = inspect.signature(create_causal_mask).parameters
+    assert "inputs_embeds" in params and params.get("cache_position", inspect.Parameter("x", 1, default=None)).default is None
