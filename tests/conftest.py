@@ -169,8 +169,15 @@ def launcher_finish(proc, timeout: float = 300) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        # The launcher runs each role in a session of its own: SIGKILL on its session alone would orphan
+        # them (still running, competing for the CPU with later tests). Ctrl-C first — it stops what it
+        # started — then SIGKILL what is left of its own session.
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         _pytest_engine.fail(f"launcher {proc.args[3]} did not finish in {timeout}s:\n{out[-3000:]}")
     return proc.returncode, out
 
