@@ -25,6 +25,13 @@ Hardening (one request must not take the server down):
   requests and frees their KV rows; admin handlers are shielded so a weight update runs to its end;
 - `/health` answers as soon as the engine completes a step (SGLang's rule), so a full batch never
   makes a live server look dead.
+
+Authentication (SGLang's three levels, `sglang/srt/utils/auth.py`): `/health*` and `/metrics` are open;
+admin endpoints (`ADMIN_PATHS`: weight updates, pause/continue, flush, `/get_weights_by_name` and
+`/abort_request`, per-rid and `abort_all` alike) take the admin key when one is set, else the api key,
+else nothing; every other endpoint takes the api key (or the admin key) when an api key is set. So with
+`--admin-api-key` set, an unauthenticated `POST /abort_request {"abort_all": true}` is a 401 and
+running requests finish. Our own code never calls /abort_request: clients cancel by disconnecting.
 """
 
 from __future__ import annotations
@@ -85,9 +92,12 @@ GENERATE_NOOP = {"input_embeds": (None,), "image_data": (None, []), "video_data"
 GENERATE_META = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id", "routing_key",
                  "extra_key", "priority"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
+# SGLang's ADMIN_OPTIONAL level (sglang/srt/utils/auth.py): the admin key when one is set, else the api
+# key, else open. /abort_request is on it in SGLang (≥ 0.5.2x), per-rid aborts included: a rid is no
+# secret (rids are guessable and prefix-matched), so an api-key holder must not abort others' requests.
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
-               "/begin_weight_update", "/end_weight_update", "/get_weights_by_name"}
+               "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 

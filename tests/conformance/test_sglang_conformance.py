@@ -283,3 +283,24 @@ def test_a_release_without_begin_weight_update_answers_401_and_the_push_goes_on(
 
     asyncio.run(go())
     assert_bit_exact(h.record(), mixed_weights(5))
+
+
+def test_abort_request_is_admin_level_in_sglang(harness):
+    """Issue 24 item 3: our embedded server puts /abort_request on SGLang's ADMIN_OPTIONAL level (with an
+    admin key set, only that key passes). SGLang 0.5.23's own middleware, both keys set: no key and the
+    api key are 401s, for `abort_all` and a per-rid abort alike; the admin key gets through."""
+    h = harness()
+
+    def post(body, key):
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        req = urllib.request.Request(h.url + "/abort_request", data=json.dumps(body).encode(), method="POST",
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    for body in ({"abort_all": True}, {"rid": "x"}):
+        assert post(body, None) == 401 and post(body, API) == 401, body
+        assert post(body, ADMIN) != 401, body

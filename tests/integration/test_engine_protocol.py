@@ -109,7 +109,7 @@ async def test_stream_abort_ends_with_abort_event(server):
     body = {"input_ids": [5], "rid": "sab", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
     task = asyncio.ensure_future(stream(server.url, body))
     await wait_running(server.url)
-    await call("POST", server.url, "/abort_request", {"rid": "sab"})
+    await call("POST", server.url, "/abort_request", {"rid": "sab"}, ADMIN_H)
     events = await task
     assert events[-1] == "DONE" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
 
@@ -222,11 +222,13 @@ async def test_abort_all_and_loads_and_server_info(server):
     await wait_running(url, 3)
     _, loads = await call("GET", url, "/v1/loads")
     assert loads["num_running_reqs"] == 3 and {"num_waiting_reqs", "loads", "timestamp"} <= set(loads)
-    st, r = await call("POST", url, "/abort_request", {"abort_all": True})
+    # SGLang's ADMIN_OPTIONAL level: with both keys set, the api key is not enough (issue 24)
+    assert (await call("POST", url, "/abort_request", {"abort_all": True}))[0] == 401
+    st, r = await call("POST", url, "/abort_request", {"abort_all": True}, ADMIN_H)
     assert st == 200 and r["num_aborted"] == 3
     for t in tasks:
         assert (await t)["meta_info"]["finish_reason"]["type"] == "abort"
-    assert (await call("POST", url, "/abort_request", {}))[0] == 400
+    assert (await call("POST", url, "/abort_request", {}, ADMIN_H))[0] == 400
     st, info = await call("GET", url, "/server_info")
     assert st == 200 and info["context_length"] == 256 and info["max_running_requests"] == 64
     assert "api_key" not in info and "admin_api_key" not in info and "version" in info
@@ -280,7 +282,7 @@ async def test_more_400s(server):
             assert st == 200, (body, r)
         else:
             assert st == 400 and msg in r["error"]["message"], (body, r)
-    await call("POST", url, "/abort_request", {"rid": "busy"})
+    await call("POST", url, "/abort_request", {"rid": "busy"}, ADMIN_H)
     await task
 
 

@@ -154,7 +154,7 @@ async def test_duplicate_rid(server):
     await wait_running(server.url)
     st, r = await post(server.url, "/generate", {"input_ids": [1], "rid": "dup-1"})
     assert st == 400 and "Duplicate request ID" in r["error"]["message"]
-    st, _ = await post(server.url, "/abort_request", {"rid": "dup-1"})
+    st, _ = await post(server.url, "/abort_request", {"rid": "dup-1"}, headers=ADMIN_H)
     assert st == 200
     st, r = await task
     assert st == 200 and r["meta_info"]["finish_reason"]["type"] == "abort"
@@ -240,7 +240,7 @@ async def test_abort_by_rid_prefix_and_flush(server):
     await wait_running(url, 3)
     st, r = await post(url, "/flush_cache", {}, headers=ADMIN_H)
     assert st == 400 and "error" in r
-    st, r = await post(url, "/abort_request", {"rid": "grp"})
+    st, r = await post(url, "/abort_request", {"rid": "grp"}, headers=ADMIN_H)
     assert st == 200 and r["num_aborted"] == 2
     for t in tasks:
         assert (await t)[1]["meta_info"]["finish_reason"]["type"] == "abort"
