@@ -679,7 +679,8 @@ class Run:
         try:
             st = self._view().stats()
             self._buffer_stats = {k: st[k] for k in ("added", "duplicates", "dropped", "stale_kept", "lost_in_flight",
-                                                     "lost_after_restart", "depth", "pending") if k in st}
+                                                     "lost_after_restart", "depth", "pending",
+                                                     "agent_completions_refused") if k in st}
             self._reward_failures.update(st.get("reward_failures", {}))
             self._show_first_reward_failures()
             return str(st["depth"])

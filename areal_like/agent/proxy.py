@@ -27,6 +27,13 @@ What differs from OpenAI, on purpose:
   rollout.multi_turn.max_tokens_per_turn or generation.max_new_tokens) tokens, and never past
   min(rollout.multi_turn.max_total_tokens, server.max_context_len) in total; a prompt that leaves no
   room is a 400 with code `context_length_exceeded` (the agent should end its episode).
+- Completions per session (one agent sample = one episode): at most
+  `rollout.multi_turn.max_completions_per_episode` (null = `max_assistant_turns`) are admitted; the
+  next is a 400 with code `max_completions_per_episode_exceeded`, generates nothing and is not
+  recorded, so an agent looping on completions cannot grow its group (issue 24: 301 completions with
+  max_assistant_turns 2). 400, not 429: the `openai` SDK retries 429s, and waiting does not help.
+  A request that fails (4xx/5xx) before its completion is recorded gives its admission back.
+  Refusals are counted per session (`Session.refused`) and per proxy (`AgentProxy.refused_completions`).
 - Refused with a 400 naming the field (never silently changed): `n`/`best_of` other than 1, `stop`
   strings (the recorded tokens must be exactly the generated ones: end turns with EOS or
   `generation.stop_token_ids`), `top_logprobs` > 0, `echo`, `suffix`, non-text `response_format`, and
@@ -80,6 +87,7 @@ EXPORT_STYLES = ("concat", "individual")
 MODEL_ID = "areal_like"
 OVERRIDE_HEADER = "X-Areal-Like-Sampling-Overridden"
 _MAX_BODY = 64 << 20  # a long agent conversation re-sends everything each turn
+_RECORDED = web.RequestKey("completion_recorded", bool)  # set once the request's completion is recorded
 
 
 # ---- records ------------------------------------------------------------------------------------
@@ -120,6 +128,10 @@ class Session:
     """Recorded completions, ordered by `seq` (arrival order), whatever order they finished in."""
     closed: bool = False
     next_seq: int = 0
+    admitted: int = 0
+    """Completion requests admitted under the per-episode cap (recorded or still generating)."""
+    refused: int = 0
+    """Completion requests refused by the cap (rollout.multi_turn.max_completions_per_episode)."""
     inflight: set = field(default_factory=set, repr=False)
 
     def add(self, c: Completion) -> None:
@@ -175,6 +187,8 @@ class AgentProxy:
         self.max_context_len = max_context_len
         self._sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
+        self.refused_completions = 0
+        """Completion requests refused by the per-episode cap, over the proxy's life (all sessions)."""
         # One thread for the tokenizer: template rendering of a long conversation stays off the event
         # loop, and a fast tokenizer is never used from two threads at once ("Already borrowed").
         self._tok_pool: ThreadPoolExecutor | None = None
@@ -196,6 +210,10 @@ class AgentProxy:
         return self.multi_turn.max_tokens_per_turn or self.gen.max_new_tokens
 
     @property
+    def max_completions_per_episode(self) -> int:
+        return self.multi_turn.max_completions_per_episode or self.multi_turn.max_assistant_turns
+
+    @property
     def max_total_tokens(self) -> int:
         limits = [x for x in (self.multi_turn.max_total_tokens, self.max_context_len) if x]
         return min(limits)
@@ -204,8 +222,8 @@ class AgentProxy:
         if self._runner is not None:
             return self
         app = web.Application(client_max_size=_MAX_BODY, middlewares=[_errors])
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._capped(self._chat))
+        app.router.add_post("/v1/completions", self._capped(self._completions))
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/rl/set_reward", self._set_reward)
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-proxy-tokenizer")
@@ -253,6 +271,33 @@ class AgentProxy:
         return session_trajectories(session, **kw)
 
     # ---------------------------------------------------------------- HTTP plumbing
+    def _capped(self, handler):
+        """`handler` behind the per-episode completion cap (module doc, Limits). Checked before the body
+        is parsed or tokenized: a refused request costs nothing."""
+
+        async def capped(request: web.Request) -> web.StreamResponse:
+            s = self._session(request)
+            cap = self.max_completions_per_episode
+            if s.admitted >= cap:
+                s.refused += 1
+                self.refused_completions += 1
+                if self.refused_completions == 1:
+                    log.warning("agent session %s-%d asked for completion %d past the per-episode cap %d "
+                                "(rollout.multi_turn.max_completions_per_episode): refused; further refusals are "
+                                "only counted", s.group_id, s.index, s.admitted + 1, cap)
+                raise _bad(f"this episode already made {cap} completion(s), the most "
+                           f"rollout.multi_turn.max_completions_per_episode allows (null = max_assistant_turns): "
+                           f"end the episode and return its reward", code="max_completions_per_episode_exceeded")
+            s.admitted += 1
+            try:
+                return await handler(request)
+            except BaseException:
+                if not request.get(_RECORDED):
+                    s.admitted -= 1  # nothing recorded (bad request, generation failure): not a completion
+                raise
+
+        return capped
+
     def _session(self, request: web.Request) -> Session:
         auth = request.headers.get("Authorization", "")
         if not auth:
@@ -339,6 +384,7 @@ class AgentProxy:
                        param="messages") from None
         c, overridden = await self._generate(s, prompt_ids, body, "chatcmpl-", "messages",
                                              messages=messages, tools=tools)
+        request[_RECORDED] = True
         content, calls, errors = _split_tool_calls(c.text, id_prefix=f"call_{c.id[-8:]}_{c.seq}")
         finish = "tool_calls" if calls else c.finish_reason
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -389,6 +435,7 @@ class AgentProxy:
         if not prompt_ids:
             raise _bad("'prompt' tokenizes to nothing", param="prompt")
         c, overridden = await self._generate(s, prompt_ids, body, "cmpl-", "prompt", prompt=prompt)
+        request[_RECORDED] = True
         choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason,
                   "logprobs": self._lp_legacy(c) if lp is not None else None}
         if body.get("return_token_ids"):

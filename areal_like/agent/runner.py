@@ -53,6 +53,8 @@ async def run_agent_group(ctx, agent, proxy: AgentProxy, *, export_style: str = 
                                          export_style=export_style, turn_discount=turn_discount)
             info = ctx.info
             info["agent_completions"] = info.get("agent_completions", 0) + len(session.completions)
+            if session.refused:  # past rollout.multi_turn.max_completions_per_episode (proxy module doc)
+                info["agent_completions_refused"] = info.get("agent_completions_refused", 0) + session.refused
             return trajs
         finally:
             proxy.close_session(session)

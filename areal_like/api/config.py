@@ -87,6 +87,12 @@ class GenerationConfig(_Section):
 class MultiTurnConfig(_Section):
     max_assistant_turns: int = 4
     """Most assistant turns (generations) per episode; the episode ends with finish reason `max_turns`."""
+    max_completions_per_episode: int | None = None
+    """Most completions one agent sample (one proxy session) may make through the OpenAI-compatible proxy;
+    past it a completion request is refused (HTTP 400, code `max_completions_per_episode_exceeded`) without
+    generating, so an episode never exports more samples than this. None = max_assistant_turns (each
+    assistant turn is one completion). Refusals are counted: summary.json `buffer.agent_completions_refused`,
+    the episode dump and Prometheus `areal_like_rollout_agent_completions_refused`."""
     max_tokens_per_turn: int | None = None
     """Most tokens one assistant turn may generate; None = generation.max_new_tokens."""
     max_total_tokens: int | None = None
@@ -677,6 +683,9 @@ class ExperimentConfig(_Section):
         mt = self.rollout.multi_turn
         if mt.max_assistant_turns < 1:
             raise ConfigError("rollout.multi_turn.max_assistant_turns must be ≥ 1")
+        if mt.max_completions_per_episode is not None and mt.max_completions_per_episode < 1:
+            raise ConfigError(f"rollout.multi_turn.max_completions_per_episode={mt.max_completions_per_episode}: "
+                              f"must be ≥ 1, or null (= rollout.multi_turn.max_assistant_turns)")
         if not 0.0 < mt.turn_discount <= 1.0:
             raise ConfigError(f"rollout.multi_turn.turn_discount={mt.turn_discount}: must be in (0, 1]")
         if mt.max_tool_response_tokens < 1:

@@ -609,6 +609,7 @@ class ReplayBuffer:
             "lost_in_flight": counters.get("lost_in_flight", 0),
             "restarts": {f[len("restarts:"):]: v for f, v in counters.items() if f.startswith("restarts:")},
             "reward_failures": {kind: counters.get(f"reward_failures:{kind}", 0) for kind in scripts.REWARD_FAILURE_KINDS},
+            "agent_completions_refused": counters.get("agent_completions_refused", 0),
             "depth": int(xlen) - int(pending),
             "pending": int(pending),
             "oldest_age_s": age,
@@ -652,6 +653,10 @@ class ReplayBuffer:
                    (Cmd("set", (self.keys.version, int(version))),
                     Cmd("xadd", (self.keys.version_events(), {"v": int(version)}),
                         {"maxlen": VERSION_EVENTS_MAXLEN, "approximate": True})), idempotent=True)
+
+    def _g_count_agent_refusals(self, n: int) -> OpGen:
+        yield Call.one(f"count {n} refused agent completion(s)", self.keys.counters,
+                       Cmd("hincrby", (self.keys.counters, "agent_completions_refused", int(n))), idempotent=False)
 
     def _g_count_restart(self, kind: str) -> OpGen:
         field = f"restarts:{kind}"
@@ -843,6 +848,11 @@ class ReplayBuffer:
 
     async def count_reward_failures_async(self, counts: dict[str, int], first: dict[str, str] | None = None) -> None:
         await self.endpoint.arun(self._g_count_reward_failures(dict(counts), dict(first or {})))
+
+    async def count_agent_refusals_async(self, n: int) -> None:
+        """counters `agent_completions_refused` += n: agent completion requests the proxy refused past
+        rollout.multi_turn.max_completions_per_episode (stats(), summary.json `buffer`). Not retried."""
+        await self.endpoint.arun(self._g_count_agent_refusals(n))
 
     async def reward_failures_async(self) -> dict[str, int]:
         return await self.endpoint.arun(self._g_reward_failures(first=False))

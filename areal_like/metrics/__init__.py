@@ -36,6 +36,8 @@ ROLLOUT_INFLIGHT = Gauge("areal_like_rollout_inflight_groups", "Groups this work
 GATE_REJECTIONS = Counter("areal_like_gate_rejections", "Staleness-gate refusals (worker waited)", registry=REGISTRY)
 ROLLOUT_FINISH = Counter("areal_like_rollout_finish_reasons", "Trajectories accepted, by finish reason (stop, length, "
                          "max_turns, context_limit, …)", ["reason"], registry=REGISTRY)
+AGENT_COMPLETIONS_REFUSED = Counter("areal_like_rollout_agent_completions_refused", "Agent completion requests "
+                                    "refused by rollout.multi_turn.max_completions_per_episode", registry=REGISTRY)
 ROLLOUT_TURNS = Histogram("areal_like_rollout_assistant_turns", "Assistant turns (runs of trained tokens) per accepted "
                           "trajectory", buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=REGISTRY)
 REWARD_TIMEOUTS = Counter("areal_like_reward_timeouts", "Reward calls that timed out", registry=REGISTRY)

@@ -17,6 +17,9 @@ Reward failures (reward/fn.py) score 0 and are counted by kind in the run's Redi
 (reward/report.py). When more than `reward.max_failure_fraction` of the last `reward.failure_window`
 scored samples failed, the worker stops as on SIGTERM and exits with EXIT_REWARD_FAILURES, its last
 log line naming the reward function and the counts (the launcher shows it as the reason the run stopped).
+Agent completions the proxy refused past `rollout.multi_turn.max_completions_per_episode` are counted
+per accepted group: Prometheus `areal_like_rollout_agent_completions_refused`, the episode dump, and the
+run's Redis counter `agent_completions_refused` (summary.json `buffer.agent_completions_refused`).
 """
 
 from __future__ import annotations
@@ -161,6 +164,14 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                         M.ROLLOUT_TURNS.observe(assistant_turns(t))
                     if dump is not None and accepted:
                         dump.write(group, workflow.episode_info.get(group_id))
+                    refused = (workflow.episode_info.get(group_id) or {}).get("agent_completions_refused", 0)
+                    if refused:  # past rollout.multi_turn.max_completions_per_episode (agent/proxy.py)
+                        M.AGENT_COMPLETIONS_REFUSED.inc(refused)
+                        try:  # the group is in the buffer already: a lost count must not fail (and retry) it
+                            await buffer.count_agent_refusals_async(refused)
+                        except Exception as e:
+                            _log(index, f"group {group_id}: counting {refused} refused agent completion(s) "
+                                        f"in Redis failed: {type(e).__name__}: {e}")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # one failed group must not end the worker: free the slot, retry the prompt

@@ -74,6 +74,26 @@ AGENT_SOURCE = textwrap.dedent('''
             finally:
                 await client.close()
             return 0.5
+
+
+    class LoopAgent:
+        """Ignores max_turns and keeps asking for completions (issue 24: 301 completions with
+        max_assistant_turns 2) until the proxy refuses one; at most 40 tries so it ends either way."""
+
+        refusals = []
+
+        async def run(self, data, *, base_url, api_key, model, **kwargs):
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+            try:
+                for _ in range(40):
+                    try:
+                        await client.completions.create(model=model, prompt=data["prompt"], max_tokens=3)
+                    except openai.BadRequestError as e:
+                        type(self).refusals.append(e.body)
+                        break
+            finally:
+                await client.close()
+            return 1.0
 ''')
 
 GEN = GenerationConfig(n=2, max_new_tokens=10, temperature=1.0)
@@ -105,7 +125,7 @@ def agents(tmp_path_factory):
     path = tmp_path_factory.mktemp("user_agents") / "my_agents.py"
     path.write_text(AGENT_SOURCE)
     assert "areal_like" not in AGENT_SOURCE
-    return {name: load_user_workflow(f"{path}:{name}") for name in ("ChatAgent", "TokenAgent")}
+    return {name: load_user_workflow(f"{path}:{name}") for name in ("ChatAgent", "TokenAgent", "LoopAgent")}
 
 
 class RecordingClient(GenerationClient):
@@ -237,7 +257,9 @@ async def test_completions_agent_concat_and_float_reward(server, tok, agents):
 
 async def test_errors_auth_n_context_overrides_and_models(server, tok):
     async with RecordingClient([server.url], health_interval_s=None) as client:
-        async with AgentProxy(client, tok, GEN, MT, seed=1) as proxy:
+        # more completions than MT's cap (3) on one session: the cap has its own test
+        mt = MultiTurnConfig(max_assistant_turns=3, max_completions_per_episode=10)
+        async with AgentProxy(client, tok, GEN, mt, seed=1) as proxy:
             s = proxy.open_session("grpC", 0)
             msgs = [{"role": "user", "content": "hi"}]
             root = proxy.base_url[:-3]
@@ -289,6 +311,32 @@ async def test_errors_auth_n_context_overrides_and_models(server, tok):
             proxy.close_session(s)
             st, _, _ = await post(proxy.base_url, {"messages": msgs}, s.api_key)
             assert st == 401
+
+
+@pytest.mark.parametrize("cap", [None, 5])
+async def test_looping_agent_is_capped_per_episode(server, tok, agents, cap):
+    """Issue 24 item 7: an agent that loops on completions gets a 400 naming
+    rollout.multi_turn.max_completions_per_episode past the cap (null = max_assistant_turns); the refused
+    request generates nothing, the group has at most cap samples per episode, and refusals are counted."""
+    mt = MultiTurnConfig(max_assistant_turns=3, max_completions_per_episode=cap, export_style="individual")
+    want = cap or mt.max_assistant_turns
+    agent = agents["LoopAgent"].obj
+    type(agent).refusals.clear()
+    async with RecordingClient([server.url], health_interval_s=None) as client:
+        async with KeepSessions(client, tok, GEN, mt, seed=7) as proxy:
+            ctx = context(client, tok, "grpL")
+            trajs = await run_agent_group(ctx, agent, proxy, export_style="individual")
+    assert len(client.calls) == GEN.n * want  # the server generated exactly the admitted completions
+    assert [len(s.completions) for s in proxy.opened] == [want] * GEN.n
+    assert [s.refused for s in proxy.opened] == [1] * GEN.n and proxy.refused_completions == GEN.n
+    assert len(trajs) == GEN.n * want
+    for i in range(GEN.n):
+        assert len([t for t in trajs if t.traj_id.startswith(f"grpL-{i}-")]) == want
+    assert ctx.info["agent_completions"] == GEN.n * want and ctx.info["agent_completions_refused"] == GEN.n
+    assert len(type(agent).refusals) == GEN.n
+    for body in type(agent).refusals:
+        assert body["code"] == "max_completions_per_episode_exceeded"
+        assert "rollout.multi_turn.max_completions_per_episode" in body["message"]
 
 
 async def test_generation_error_is_502(tok):

@@ -165,3 +165,51 @@ def test_multi_turn_feedback_loop_through_launcher_run(tmp_path):
         assert [s["trained"] for s in t["segments"]] == [True, False, True]
         assert "#U:That is not right. Try again." in t["segments"][1]["text"]
         assert t["finish_reason"] in ("stop", "length", "max_turns", "context_limit")
+
+
+LOOP_AGENT = '''
+import openai
+
+
+class LoopAgent:
+    """Ignores max_turns: keeps asking for completions until the proxy refuses one (at most 20)."""
+
+    async def run(self, data, *, base_url, api_key, model, **kwargs):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
+        try:
+            for _ in range(20):
+                try:
+                    await client.chat.completions.create(model=model, max_tokens=4,
+                                                         messages=[{"role": "user", "content": "again"}])
+                except openai.BadRequestError as e:
+                    assert e.body["code"] == "max_completions_per_episode_exceeded", e.body
+                    break
+        finally:
+            await client.close()
+        return 1.0
+'''
+
+
+def test_looping_agent_is_capped_and_counted_in_summary(tmp_path):
+    """Issue 24 item 7 through `launcher run`: an agent that loops on completions (one made 301 with
+    max_assistant_turns 2) gets at most max_assistant_turns completions per episode, so each trained group
+    has at most n × 2 samples (each completion is its own sample: the prompts do not chain); the refusals
+    reach summary.json (`buffer.agent_completions_refused`)."""
+    data = tmp_path / "data"
+    _build("openai_agent", data)
+    agent = tmp_path / "loop_agent.py"
+    agent.write_text(LOOP_AGENT)
+    run_dir, dump = tmp_path / "run", tmp_path / "dump"
+    rc, out = launcher_cli("run", "--config", "examples/openai_agent/config.yaml", "--run-dir", str(run_dir),
+                        f"data.train_files=[{data}/train.parquet]", "train.total_steps=2", "generation.n=2",
+                        "train.batch_size=2", f"rollout.dump_dir={dump}", "metrics.prometheus=false",
+                        f"rollout.workflow={agent}:LoopAgent", "rollout.multi_turn.max_assistant_turns=2")
+    assert rc == 0, out[-3000:]
+    groups = _dump(dump)
+    trained = _trained(run_dir)
+    assert trained and set(trained) <= set(groups)
+    for gid in trained:
+        assert len(groups[gid]["trajectories"]) == 2 * 2, gid  # n × cap: every episode stopped at the cap
+        assert groups[gid]["episode"]["agent_completions_refused"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["buffer"]["agent_completions_refused"] >= 2 * len(trained)

@@ -40,6 +40,10 @@ def test_wrong_type_and_bad_values_name_the_setting():
         load_config(None, ["train.lr"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("no/such/file.yaml")
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.max_completions_per_episode=0: must be ≥ 1"):
+        load_config(None, ["rollout.multi_turn.max_completions_per_episode=0"])
+    assert load_config(None, ["rollout.multi_turn.max_completions_per_episode=7"]).rollout.multi_turn \
+        .max_completions_per_episode == 7
 
 
 def test_restart_budgets_per_role(tmp_path):
