@@ -15,7 +15,8 @@ learner re-syncs it), a rollout worker after its gate slots are freed, our redis
 The run ends when the learner exits 0 (done), when a role dies past its budget or a rollout worker
 stops on reward failures (exit 1: the role, its exit code and the tail of its log), or on Ctrl-C /
 SIGTERM. In every case the launcher ends exactly the processes it started, by process group, and
-writes summary.json (with every restart).
+writes summary.json (with every restart). One `launcher run` per run directory: it holds
+`<run-dir>/.lock` (flock) for its life and a second one is refused before it writes anything there.
 """
 
 from __future__ import annotations
@@ -158,8 +159,45 @@ def cmd_run(args) -> int:
         print(f"launcher run: {e}", file=sys.stderr)
         return 2
     run_dir = os.path.abspath(args.run_dir or _default_run_dir(cfg))
+    # owner-only from the start (issue 24): the run dir holds config.json's keys, the Redis AOF (every
+    # trajectory and reward), logs; 0700 stops another account even listing it. An existing dir keeps its mode.
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    try:  # before anything in the run dir is written: a second run must not touch the first one's files
+        _lock_run_dir(run_dir)
+    except RunError as e:
+        print(f"launcher run: {e}", file=sys.stderr)
+        return 2
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     return Run(cfg, alloc, run_dir, n_servers).execute()
+
+
+RUN_LOCK = ".lock"
+_run_lock_fd: int | None = None  # held open (and locked) until this process exits
+
+
+def _lock_run_dir(run_dir: str) -> None:
+    """`flock(LOCK_EX|LOCK_NB)` on `<run_dir>/.lock` for the launcher's life (issue 24): a second `launcher
+    run` on the same run dir would rewrite config.json (a new admin key: the first learner gets 401), start
+    a second Redis on the same AOF and mix summary.json. The kernel drops the lock when the process exits,
+    however it exits (SIGKILL included), so a stale lock file never blocks a re-run; the fd is not
+    inherited by the roles (PEP 446), so an orphaned role cannot hold it either. The holder's pid is
+    written into the file for the refusal message. `launcher status/stop/report/replay` never take it."""
+    import fcntl
+
+    global _run_lock_fd
+    path = os.path.join(run_dir, RUN_LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunError(f"run directory {run_dir} is in use by another `launcher run` (pid {holder}, lock {path}); "
+                       f"wait for it to end or stop it with `launcher stop --run-dir {run_dir}`, or pass another "
+                       "--run-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _run_lock_fd = fd
 
 
 def _local_table(run_dir: str, alloc, cfg) -> ProcessTable:

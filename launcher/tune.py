@@ -330,7 +330,7 @@ def _read_rows(path: str) -> list[dict]:
 
 
 def run_one(eta: int, args, run_dir: str) -> RunResult:
-    os.makedirs(run_dir, exist_ok=True)
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)  # owner-only, like `launcher run`'s own run dirs (issue 24)
     log_path = os.path.join(run_dir, "launcher.log")
     argv = [sys.executable, "-m", "launcher", "run", "--config", args.config, "--run-dir", run_dir]
     if args.allocation:

@@ -115,7 +115,11 @@ class RedisServer:
         ]
         if self.maxmemory:
             lines.append(f"maxmemory {self.maxmemory}")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # The AOF holds every trajectory and reward, the log the clients' addresses: owner-only (issue 24).
+        # 0700 on the directory (also one made before this rule, or by a user's umask) shuts out every other
+        # account whatever mode the files inside got; the process umask below makes new files 0600 too.
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
         # the file holds the password (not the command line, which `ps` shows to everyone): 0600
         fd = os.open(self.conf_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -150,6 +154,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C in the terminal reaches our supervisor, not Redis first
+            umask=0o077,  # redis-server creates its AOF, AOF manifest and log with its process umask: 0600
         )
         client = redis.Redis(
             host=self.host, port=self.port, password=self.password,
