@@ -5,19 +5,18 @@ the pushed weights (the shared logprob definition), the servers report the pushe
 generation interrupted by a push keeps per-token versions across the interruption."""
 
 import asyncio
-import copy
 import os
 
 import aiohttp
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from areal_like.engine.client import GenerationClient
 from areal_like.learner.logprobs import token_logprobs_from_logits
 from areal_like.weights import WeightPusher
 
 from conftest import free_port
+from _weights import base_model, perturbed  # noqa: F401 (base_model: a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -31,19 +30,6 @@ def servers(engine_servers, tiny_model_dir):
     return engine_servers(tiny_model_dir, 2, "--admin-api-key", ADMIN)
 
 
-@pytest.fixture(scope="module")
-def base_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def perturbed(model, seed: int, scale: float = 0.05):
-    """A copy of `model` with every weight moved by N(0, scale²) noise."""
-    g = torch.Generator().manual_seed(seed)
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return m
 
 
 def local_logprobs(model, prompt, out, temperature=1.0) -> torch.Tensor:

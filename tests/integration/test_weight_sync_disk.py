@@ -4,7 +4,6 @@ After a push the server reports the pushed version and its logprobs equal a loca
 with the pushed weights; only the newest two version dirs stay; a checkpoint the server cannot load
 leaves it serving its previous weights (not paused) and the error names the server."""
 
-import copy
 import json
 import os
 from types import SimpleNamespace
@@ -12,12 +11,12 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from areal_like.api.config import ExperimentConfig
 from areal_like.api.run_files import Endpoints
 from areal_like.learner.logprobs import token_logprobs_from_logits
 from areal_like.weights import DiskWeightPusher, WeightPusher, WeightPushError, make_weight_pusher
+from _weights import base_model, perturbed  # noqa: F401 (base_model: a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -30,18 +29,6 @@ def server(engine_servers, tiny_model_dir):
     return engine_servers(tiny_model_dir, 1, "--admin-api-key", ADMIN)[0]
 
 
-@pytest.fixture(scope="module")
-def base_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def perturbed(model, seed: int, scale: float = 0.05):
-    g = torch.Generator().manual_seed(seed)
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return m
 
 
 def local_logprobs(model, prompt, out) -> torch.Tensor:

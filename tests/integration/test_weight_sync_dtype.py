@@ -4,20 +4,19 @@ Both pushers cast in the push (the distributed bucket, the disk checkpoint): the
 exactly the learner's weights cast to bf16, the wire/disk carries bf16 bytes (half the fp32 ones),
 and the server generates with them."""
 
-import copy
 import os
 
 import aiohttp
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from areal_like.api.config import ExperimentConfig
 from areal_like.api.run_files import Endpoints
 from areal_like.weights import DiskWeightPusher, WeightPusher, make_weight_pusher
 
 from conftest import free_port
+from _weights import base_model, perturbed  # noqa: F401 (base_model: a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -31,18 +30,6 @@ def server(engine_servers, tiny_model_dir):
     return engine_servers(tiny_model_dir, 1, "--admin-api-key", ADMIN, "--dtype", "bfloat16")[0]
 
 
-@pytest.fixture(scope="module")
-def base_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def perturbed(model, seed: int, scale: float = 0.05):
-    g = torch.Generator().manual_seed(seed)
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return m
 
 
 async def call(method, url, path, body=None):
