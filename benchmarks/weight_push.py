@@ -120,9 +120,9 @@ async def measure(args, urls: list[str], weights, log_dir: str) -> dict:
     flat_s = [0.0]
     orig_flatten = push_mod.flatten_bucket
 
-    def timed_flatten(bucket, out=None):
+    def timed_flatten(bucket, out=None, dtype=None):
         t = time.perf_counter()
-        out = orig_flatten(bucket, out=out)
+        out = orig_flatten(bucket, out=out, dtype=dtype)
         flat_s[0] += time.perf_counter() - t
         return out
 
