@@ -1,12 +1,15 @@
 """Run untrusted Python (a model's tool call, a code-reward test) in a contained process.
 
     parent (asyncio, this module)          P: bootstrap (root or the user; new session = new pgid)
-      mkdtemp scratch, main.py    ──exec──▶  unshare(net, pid[, mount])   (refuse if net impossible)
-      read stdout / stderr (capped)          [root] private mounts: tmpfs on /tmp, /var/tmp, /dev/shm and
-      wait ≤ timeout_s for P (pidfd),          on any directory the sandbox user cannot traverse (e.g. a
-      else killpg; read the status pipe        0700 /root holding the interpreter), with only the needed
-      rmtree scratch (always)                  paths bound back in. [not root] + a user namespace, which
-                                               grants the right to make the others; B keeps the user's uid
+      mkdtemp scratch, main.py    ──exec──▶  unshare(net, pid, ipc[, mount])   (refuse if net impossible)
+      read stdout / stderr (count all,       IPC namespace limits: System V shm ≤ memory_mb, few queues/sets
+        keep head and tail)                  [root] private mounts: an empty tmpfs on /tmp, /var/tmp,
+      wait ≤ timeout_s for P (pidfd),          /dev/shm, /run/lock, a fresh mqueue on /dev/mqueue, and on any
+      else killpg; read the status pipe        directory the sandbox user cannot traverse (e.g. a 0700 /root
+      rmtree scratch (always)                  holding the interpreter), with only the needed paths bound
+                                               back in; then every other mount read-only (per mount, in this
+                                               namespace). [not root] + a user namespace, which grants the
+                                               right to make the others; B keeps the user's uid
                                            └─fork─▶ A: pid 1 of the new pid namespace ([root] mounts /proc)
                                                     reaps everything; reports B's wait status + rusage on
                                                     the status pipe; its exit kills every process left
@@ -29,10 +32,20 @@ Why each piece:
   process left with the run's uid — only a run's own processes ever have it.
 - Without a mount namespace, a root run's one-off uid must be able to read the interpreter itself;
   where it cannot (pyenv under a 0700 /root), the run fails as "sandbox_error" with that explanation.
+- Calls are fresh and leave nothing (issue 24): the IPC namespace dies with the call's last process, and
+  its System V segments, semaphores, message queues and POSIX queues with it (on the host, a segment
+  outlives its creator and its mapping, so RLIMIT_AS never bounded it). As root the only directories a
+  call can write are its scratch directory (its cwd, removed after the call) and `_PRIVATE_TMP` +
+  /dev/mqueue, each an empty mount of its own; everything else is read-only, so a world-writable host
+  directory, or a file left by an earlier run of the same one-off uid, cannot be written.
 
-What it does not do: no seccomp filter, no read-only root filesystem (the sandbox user can read what
-"other" may read), no limit on the total bytes written to the scratch directory (each file is capped by
-`file_mb`, the run by `timeout_s`). Linux only.
+What it does not do: no seccomp filter (every system call reaches the kernel: its attack surface is the
+whole syscall ABI, and a kernel bug is a way out), no hiding of what "other" may read (the host's files,
+read-only), no limit on the total bytes written to the scratch directory (each file is capped by `file_mb`,
+the run by `timeout_s`; the private tmpfs mounts by 4 × file_mb each, /run/lock 1 MB). Memory held outside
+RLIMIT_AS: those tmpfs pages and System V shared memory (≤ memory_mb), all freed with the call. Not root:
+no mount namespace, so the code writes whatever the user may write, and its IPC namespace keeps the
+kernel's default limits (freed with the call). Linux only.
 """
 
 from __future__ import annotations
@@ -77,7 +90,9 @@ _ENV_BASE = {
     "MPLBACKEND": "Agg",
 }
 
-_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""Root runs: each is an empty tmpfs of the call's own (where the host has the directory); with /dev/mqueue
+(the call's IPC namespace) and the scratch directory, the only places a call can write."""
 
 # The bootstrap runs as `python -I -S -c _BOOT <json>` (P), then forks A and B. It imports only modules
 # that need no site-packages, and reports on the status pipe as JSON lines.
@@ -87,8 +102,12 @@ cfg = json.loads(sys.argv[1])
 FD = cfg["status_fd"]
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-NEWNS, NEWUSER, NEWPID, NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+NEWNS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+# per-mount options kept by the read-only remount (mountinfo field 6)
+MNT_OPTS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
+            "relatime": 1 << 21, "strictatime": 1 << 24}
 
 
 def report(**kv):
@@ -108,6 +127,20 @@ def mount(src, dst, fstype, flags, data=None):
         raise OSError(e, "mount %s: %s" % (dst, os.strerror(e)))
 
 
+def unescape(path):
+    # mountinfo writes space, tab, newline and backslash as \ooo
+    out, i = bytearray(), 0
+    raw = path.encode()
+    while i < len(raw):
+        if raw[i:i + 1] == b"\\" and raw[i + 1:i + 4].isdigit():
+            out.append(int(raw[i + 1:i + 4], 8))
+            i += 4
+        else:
+            out.append(raw[i])
+            i += 1
+    return out.decode("utf-8", "surrogateescape")
+
+
 def private_mounts():
     # first: nothing mounted below may propagate back to the host's mount namespace
     mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -119,6 +152,50 @@ def private_mounts():
             os.makedirs(p, exist_ok=True)
             mount("/proc/self/fd/%d" % fd, p, None, MS_BIND | MS_REC)
             os.close(fd)
+    for p in cfg["bind_self"]:  # a mount of its own, so the read-only pass below can leave it writable
+        mount(p, p, None, MS_BIND)
+    keep_rw = set(cfg["writable"])
+    if "/dev/mqueue" in keep_rw:
+        keep_rw.discard("/dev/mqueue")  # writable only as this call's own, below
+        if flags & NEWIPC:
+            try:  # the POSIX queues of this call's IPC namespace (the host's /dev/mqueue shows the host's)
+                mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                keep_rw.add("/dev/mqueue")
+            except OSError as e:
+                report(warning="%s: read-only" % e)
+    # then everything else read-only (per mount, in this namespace only: MS_BIND): whatever the host lets
+    # "other" write (a 1777 directory, a file of a uid reused by a later run) cannot be written from here
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    failed = []
+    for fields in mounts:
+        point = unescape(fields[4])
+        if point in keep_rw or "ro" in fields[5].split(","):
+            continue
+        opts = MS_RDONLY | MS_REMOUNT | MS_BIND
+        for o in fields[5].split(","):
+            opts |= MNT_OPTS.get(o, 0)
+        try:
+            mount(None, point, None, opts)
+        except OSError as e:
+            if e.errno != 2 and os.path.exists(point):  # ENOENT: under a private tmpfs now, unreachable
+                failed.append("%s (%s)" % (point, os.strerror(e.errno)))
+    if failed:
+        report(warning="could not make read-only: " + ", ".join(failed))
+
+
+def ipc_limits():
+    # this call's IPC namespace starts with the kernel's defaults (System V shared memory: no limit); its
+    # segments outlive their mapping, so RLIMIT_AS alone does not bound them: cap them at memory_mb
+    failed = []
+    for path, value in cfg["ipc_sysctls"]:
+        try:
+            with open(path, "w") as f:
+                f.write(value)
+        except OSError as e:
+            failed.append("%s (%s)" % (path, e.strerror))
+    if failed:
+        report(warning="IPC limits not set: " + ", ".join(failed))
 
 
 def run_b():
@@ -158,7 +235,11 @@ if flags is None or (not cfg["network"] and not flags & NEWNET):
     report(refused="; ".join(errors) or "no namespace could be created")
     os._exit(0)
 pidns = bool(flags & NEWPID)
-report(pidns=pidns)
+report(pidns=pidns, ipcns=bool(flags & NEWIPC))
+if flags & NEWIPC:
+    ipc_limits()
+else:
+    report(warning="no IPC namespace: System V and POSIX IPC objects are shared with the host and outlive the call")
 mounts_ok = False
 if flags & NEWNS:
     try:
@@ -202,7 +283,7 @@ while True:
 os._exit(0)
 '''
 
-_NEWNS, _NEWUSER, _NEWPID, _NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
+_NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
 
 
 @dataclass(frozen=True)
@@ -219,40 +300,56 @@ class SandboxResult:
     message: str = ""
     cpu_s: float = 0.0
     max_rss_mb: float = 0.0
-    stdout_chars: int = 0  # captured before truncation to output_chars (capture keeps ~4× output_chars)
+    stdout_chars: int = 0  # len(stdout)
+    stdout_bytes: int = 0  # every byte the program wrote to stdout (all read, counted; most not kept)
+    stderr_bytes: int = 0
     warnings: tuple[str, ...] = field(default=())
 
 
 def truncate_middle(text: str, limit: int) -> str:
-    """Head and tail of `text` within ~`limit` chars (output matters at both ends), saying what was cut."""
+    """Head and tail of `text` within `limit` chars, the note included (output matters at both ends),
+    saying how many chars were cut. Text already within the limit is returned as is, so a tool's output
+    cut by the tool itself (the sandbox, with its own note) is not cut again."""
     if len(text) <= limit:
         return text
-    head = limit * 2 // 3
-    tail = limit - head
-    return f"{text[:head]}\n...[{len(text) - head - tail} chars truncated: over the {limit}-char limit]...\n" + (
-        text[-tail:] if tail else "")
+    note = lambda n: f"\n...[{n} chars truncated: over the {limit}-char limit]...\n"  # noqa: E731
+    room = max(0, limit - len(note(len(text))))
+    head = room * 2 // 3
+    tail = room - head
+    return text[:head] + note(len(text) - head - tail) + (text[-tail:] if tail else "")
 
 
-def _truncate_tail(text: str, limit: int) -> str:
-    """The end of `text` (a traceback's last lines name the error)."""
-    if len(text) <= limit:
-        return text
-    return f"...[{len(text) - limit} chars truncated]...\n" + text[-limit:]
+def _decode(raw: bytes) -> str:
+    """Bytes as text, one char per undecodable byte (surrogateescape), so the bytes behind any slice
+    can be counted exactly (`_nbytes`)."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogateescape"))
+
+
+def _shown(text: str) -> str:
+    """Undecodable bytes as U+FFFD for the reader."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 class _Capture:
-    """First and last `cap` bytes of a stream, draining the rest so the writer never blocks."""
+    """First and last `cap` bytes of a stream, draining (and counting) the rest so the writer never
+    blocks; `render` cuts it to the caller's limit with a note giving the exact number of bytes cut."""
 
     def __init__(self, cap: int):
         self.cap = cap
         self.head = bytearray()
         self.tail = bytearray()
         self.total = 0
+        self.complete = False  # read to end-of-file (every writer gone), so `total` is the whole output
 
     async def drain(self, stream: asyncio.StreamReader) -> None:
         while True:
             chunk = await stream.read(1 << 16)
             if not chunk:
+                self.complete = True
                 return
             self.total += len(chunk)
             room = self.cap - len(self.head)
@@ -264,13 +361,38 @@ class _Capture:
                 if len(self.tail) > self.cap:
                     del self.tail[:len(self.tail) - self.cap]
 
-    def text(self) -> tuple[str, bool]:
-        """(decoded text, whether bytes were dropped in the middle)."""
-        dropped = self.total - len(self.head) - len(self.tail)
-        if dropped <= 0:
-            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace"), False
-        return (self.head.decode("utf-8", "replace") + f"\n...[{dropped} bytes dropped]...\n"
-                + self.tail.decode("utf-8", "replace")), True
+    def end(self, limit: int) -> str:
+        """The last `limit` chars read (for classifying the exit: a traceback's last line)."""
+        whole = self.total == len(self.head) + len(self.tail)
+        return _shown(_decode(bytes(self.head) + bytes(self.tail) if whole else bytes(self.tail))[-limit:])
+
+    def render(self, limit: int, keep: str = "middle", strip: str = "") -> str:
+        """What was read, within `limit` chars: all of it, or its head and tail (keep="middle") or its
+        tail (keep="tail"), around a note that says how many bytes were cut, exactly — "at least" when
+        the stream was not read to its end (a writer outlived the call). `strip` is removed from the
+        shown text (the scratch path), after the cut, so the counts are the program's bytes."""
+        whole = self.total == len(self.head) + len(self.tail)  # nothing dropped while reading
+        text = _decode(bytes(self.head) + bytes(self.tail)) if whole else None
+        if text is not None and len(text) <= limit and self.complete:
+            return _shown(text.replace(strip, "") if strip else text)
+        least = "" if self.complete else "at least "
+
+        def note(cut: int) -> str:
+            return (f"...[{least}{cut} bytes truncated: the output was {least}{self.total} bytes, over the "
+                    f"{limit}-char limit]...\n")
+
+        if text is not None and len(text) <= limit:  # all shown, but the stream was not read to its end
+            head_s, tail_s = text, ""
+        else:
+            room = max(0, limit - len(note(self.total)) - 1)
+            n_head = room * 2 // 3 if keep == "middle" else 0
+            n_tail = room - n_head
+            head_s = (text if text is not None else _decode(bytes(self.head)))[:n_head]
+            tail_s = (text if text is not None else _decode(bytes(self.tail)))[-n_tail:] if n_tail else ""
+        cut = self.total - _nbytes(head_s) - _nbytes(tail_s)
+        if strip:
+            head_s, tail_s = head_s.replace(strip, ""), tail_s.replace(strip, "")
+        return _shown(head_s) + ("\n" if head_s else "") + note(cut) + _shown(tail_s)
 
 
 _counter = 0
@@ -313,8 +435,8 @@ def _topmost_closed_ancestor(path: str) -> str | None:
 
 def _overlay_plan(scratch: str, python: str, tmpfs_bytes: int) -> list[tuple[str, int, int, list[str]]]:
     """Root runs only: the tmpfs mounts P makes in its private mount namespace, as
-    (target, mode, size, paths bound back in). Private /tmp, /var/tmp, /dev/shm (files written there
-    vanish with the run); and a 0755 tmpfs on any directory the sandbox uid cannot traverse on the way to
+    (target, mode, size, paths bound back in). Private /tmp, /var/tmp, /dev/shm, /run/lock (files written
+    there vanish with the run); and a 0755 tmpfs on any directory the sandbox uid cannot traverse on the way to
     the interpreter or the scratch directory, so B can exec the same Python (e.g. pyenv under a 0700
     /root) while everything else there stays hidden."""
     needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix, sys.exec_prefix,
@@ -337,8 +459,23 @@ def _overlay_plan(scratch: str, python: str, tmpfs_bytes: int) -> list[tuple[str
     out = []
     for target in sorted(plan, key=lambda t: t.count("/")):
         mode = 0o1777 if target in _PRIVATE_TMP else 0o755
-        out.append((target, mode, tmpfs_bytes if target in _PRIVATE_TMP else 1 << 20, plan[target]))
+        # /run/lock holds lock files: 1 MB (tmpfs pages are memory outside RLIMIT_AS)
+        size = tmpfs_bytes if target in _PRIVATE_TMP and target != "/run/lock" else 1 << 20
+        out.append((target, mode, size, plan[target]))
     return out
+
+
+def _ipc_sysctls(memory_mb: int) -> list[tuple[str, str]]:
+    """Limits of a call's own IPC namespace (it starts with the kernel's defaults, where System V shared
+    memory is unlimited and a segment outlives its mapping, out of RLIMIT_AS's reach): shared memory
+    memory_mb in all, a few message queues and semaphore sets. POSIX queues are bounded by the uid's
+    RLIMIT_MSGQUEUE (800 KB by default)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return [("/proc/sys/kernel/shmmax", str(memory_mb << 20)),
+            ("/proc/sys/kernel/shmall", str((memory_mb << 20) // page)),
+            ("/proc/sys/kernel/shmmni", "64"),
+            ("/proc/sys/kernel/msgmni", "16"),  # x msgmnb (16 KB each)
+            ("/proc/sys/kernel/sem", "250 4000 32 16")]  # semmsl semmns semopm semmni
 
 
 def _kill_uid(uid: int) -> int:
@@ -479,15 +616,26 @@ async def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float = 5.0, m
         net = 0 if network else _NEWNET
         cpu_limit = max(1, math.ceil(cpu_s))  # RLIMIT_CPU counts whole seconds
         tmpfs_bytes = max(16, 4 * int(file_mb)) << 20
+        overlays = _overlay_plan(scratch, python, tmpfs_bytes) if uid is not None else []
         cfg = {
             "status_fd": 0,  # set below
             "ppid": os.getpid(),
             "network": bool(network),
-            # root: mount namespace too (private /tmp, interpreter reachable); each step down drops one
-            "unshare_tries": [_NEWNS | _NEWPID | net, _NEWPID | net, net],
+            # root: mount namespace too (private writable directories, the rest read-only, interpreter
+            # reachable) and an IPC namespace (System V and POSIX IPC die with the call); each step down
+            # drops one (a missing IPC namespace is reported as a warning)
+            "unshare_tries": [_NEWNS | _NEWPID | _NEWIPC | net, _NEWNS | _NEWPID | net, _NEWPID | net, net],
             # not root: a user namespace gives the rights to create the others
-            "unshare_tries_user": [_NEWUSER | _NEWPID | net, _NEWUSER | net] + ([0] if network else []),
-            "overlays": _overlay_plan(scratch, python, tmpfs_bytes) if uid is not None else [],
+            "unshare_tries_user": [_NEWUSER | _NEWPID | _NEWIPC | net, _NEWUSER | _NEWPID | net, _NEWUSER | net]
+            + ([0] if network else []),
+            "overlays": overlays,
+            # what stays writable in the mount namespace: the private tmpfs mounts and the scratch directory
+            "writable": [t for t, _, _, _ in overlays if t in _PRIVATE_TMP] + [os.path.realpath(scratch)]
+            + (["/dev/mqueue"] if os.path.isdir("/dev/mqueue") else []),
+            # the scratch directory is a mount point: bound back under a tmpfs, else onto itself
+            "bind_self": [] if not overlays or any(os.path.realpath(scratch) in keep for _, _, _, keep in overlays)
+            else [os.path.realpath(scratch)],
+            "ipc_sysctls": _ipc_sysctls(int(memory_mb)),
             "cwd": scratch,
             "uid": uid,
             "python": python,
@@ -535,9 +683,10 @@ async def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float = 5.0, m
         await asyncio.wait(readers, timeout=2.0)
         await _reap(proc)
         seconds = time.monotonic() - t0
-        stdout, _ = out_cap.text()
-        stderr_full, _ = err_cap.text()
-        stderr_full = stderr_full.replace(scratch + "/", "")  # tracebacks read `File "main.py", line 3`
+        stdout = out_cap.render(output_chars)
+        # tracebacks read `File "main.py", line 3`
+        stderr = err_cap.render(output_chars, keep="tail", strip=scratch + "/")
+        stderr_end = err_cap.end(4096).replace(scratch + "/", "")
         if "refused" in report:
             return SandboxResult("", "", None, False, "refused", seconds, message=(
                 f"could not isolate the network ({report['refused']}): the tool config has network: false. "
@@ -550,10 +699,10 @@ async def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float = 5.0, m
                 hint = ("; the sandbox user cannot reach the interpreter: install Python where other users "
                         "may read it (not under a 0700 home directory), or allow mount namespaces (root "
                         "with CAP_SYS_ADMIN), which let the sandbox reach it")
-            return SandboxResult("", _truncate_tail(stderr_full, output_chars), None, False, "sandbox_error",
+            return SandboxResult("", stderr, None, False, "sandbox_error",
                                  seconds, message=f"could not start the program: {report['setup_error']} "
                                  f"(interpreter {python}, sandbox uid {uid}){hint}")
-        kind, message = _classify(report, timed_out, stderr_full[-4096:], {
+        kind, message = _classify(report, timed_out, stderr_end, {
             "timeout_s": timeout_s, "cpu_s": float(cpu_limit), "memory_mb": memory_mb, "file_mb": file_mb,
             "max_procs": max_procs})
         status = report.get("status")
@@ -561,10 +710,11 @@ async def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: float = 5.0, m
         if status is not None:
             exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         return SandboxResult(
-            stdout=truncate_middle(stdout, output_chars), stderr=_truncate_tail(stderr_full, output_chars),
+            stdout=stdout, stderr=stderr,
             exit_code=exit_code, timed_out=timed_out, error=kind, seconds=seconds, message=message,
             cpu_s=float(report.get("cpu_s", 0.0)), max_rss_mb=float(report.get("maxrss_kb", 0)) / 1024.0,
-            stdout_chars=len(stdout), warnings=tuple(report.get("warnings", ())))
+            stdout_chars=len(stdout), stdout_bytes=out_cap.total, stderr_bytes=err_cap.total,
+            warnings=tuple(report.get("warnings", ())))
     finally:
         if proc is not None and proc.returncode is None:
             _killpg(proc, watch)  # cancelled (or an error above): the run must not outlive its call

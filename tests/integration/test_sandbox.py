@@ -4,6 +4,8 @@ as an error observation of the right kind, leave no process and no scratch direc
 next call works (the run goes on)."""
 
 import asyncio
+import json
+import re
 import os
 import socket
 import sys
@@ -196,8 +198,8 @@ async def test_runs_unprivileged_with_a_private_tmp(probe):
         try:
             open({target!r}, "w")
             print("WROTE")
-        except PermissionError:
-            print("denied")
+        except OSError as e:  # EACCES (root's file), or EROFS (everything but the private mounts is read-only)
+            print("denied" if e.errno in (13, 30) else e)
         open("/tmp/areal_like_sandbox_leak_test", "w").write("x")
     """)
     try:
@@ -240,3 +242,250 @@ async def test_sync_wrapper_inside_a_running_loop(probe):
     """A sync reward function may be called from async code: the run gets its own thread and loop."""
     r = run_python_sync("print('inner')", timeout_s=5)
     assert r.stdout == "inner\n"
+
+
+# ---- issue 24 item 5: a call leaves nothing behind, and sees nothing of an earlier call ------------
+PRIVATE_DIRS = ("/dev/mqueue", "/dev/shm", "/run/lock", "/tmp", "/var/tmp")
+"""The directories a call may write besides its scratch directory (which is its cwd): each is a fresh,
+empty mount of this call only (tmpfs; mqueue for /dev/mqueue), where the host has it."""
+
+_IPC_KEY = 0x24A5_0000 + os.getpid() % 0xFFFF  # SysV key: unlikely to clash with anyone else's
+
+LEAVE_IPC_AND_FILES = textwrap.dedent("""
+    import ctypes, os, shutil, stat, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    KEY, TAG = {key}, {tag!r}
+    IPC_CREAT = 0o1000
+    libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    libc.shmdt.argtypes = [ctypes.c_void_p]
+    libc.mq_open.restype = ctypes.c_int
+    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    # System V shared memory: 3 segments of 64 MB, each touched (resident) then detached, never removed
+    shm = []
+    for i in range(3):
+        sid = libc.shmget(KEY + i, 64 << 20, IPC_CREAT | 0o666)
+        if sid < 0:
+            shm.append("shmget: " + os.strerror(ctypes.get_errno()))
+            continue
+        addr = libc.shmat(sid, None, 0)
+        ctypes.memset(addr, 1, 64 << 20)
+        libc.shmdt(addr)
+        shm.append(sid)
+    sem = libc.semget(KEY, 4, IPC_CREAT | 0o666)
+    msg = libc.msgget(KEY, IPC_CREAT | 0o666)
+    mq = libc.mq_open(("/" + TAG).encode(), os.O_CREAT | os.O_RDWR, 0o666, None)  # POSIX message queue
+    with open("/dev/shm/" + TAG, "wb") as f:  # what shm_open makes
+        f.write(b"x" * 4096)
+    planted = []
+    for d in ("/run/lock", "/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            path = os.path.join(d, TAG + ".setuid")
+            shutil.copy(sys.executable, path)  # a setuid-to-the-sandbox-uid binary
+            os.chmod(path, 0o4755)
+            planted.append(path)
+        except OSError as e:
+            planted.append(d + ": " + type(e).__name__)
+    print(shm, sem, msg, mq, planted)
+""")
+
+LOOK_FOR_LEFTOVERS = textwrap.dedent("""
+    import ctypes, json, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    KEY, TAG = {key}, {tag!r}
+    libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    seen = {{
+        "shm": [libc.shmget(KEY + i, 0, 0) for i in range(3)],
+        "sem": libc.semget(KEY, 0, 0),
+        "msg": libc.msgget(KEY, 0),
+        "mq": libc.mq_open(("/" + TAG).encode(), os.O_RDONLY),
+        # everything in the call's writable directories but its own scratch directory (cwd)
+        "dirs": {{d: sorted(n for n in os.listdir(d) if os.path.join(d, n) != os.getcwd())
+                 for d in {dirs!r} if os.path.isdir(d)}},
+    }}
+    print(json.dumps(seen))
+""")
+
+
+def _host_sysv_keys() -> dict[str, set[int]]:
+    """The host's System V objects by key (its IPC namespace), from /proc/sysvipc."""
+    out = {}
+    for kind in ("shm", "sem", "msg"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            next(f)
+            out[kind] = {int(line.split()[0]) for line in f if line.strip()}
+    return out
+
+
+def _host_mq_exists(name: str) -> bool:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    fd = libc.mq_open(("/" + name).encode(), os.O_RDONLY)
+    if fd >= 0:
+        libc.mq_close(fd)
+        libc.mq_unlink(("/" + name).encode())  # the leak: remove it, so a failing run cleans up after itself
+        return True
+    return False
+
+
+def _remove_host_leftovers(tag: str) -> None:
+    """If the sandbox leaked (the bug), undo it so later tests and runs see a clean host."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for i in range(3):
+        sid = libc.shmget(ctypes.c_int(_IPC_KEY + i), ctypes.c_size_t(0), 0)
+        if sid >= 0:
+            libc.shmctl(sid, 0, None)  # IPC_RMID
+    for get, ctl in (("semget", "semctl"), ("msgget", "msgctl")):
+        ident = getattr(libc, get)(_IPC_KEY, 0, 0) if get == "semget" else libc.msgget(_IPC_KEY, 0)
+        if ident >= 0:
+            getattr(libc, ctl)(ident, 0, 0) if ctl == "semctl" else libc.msgctl(ident, 0, None)
+    _host_mq_exists(tag)
+    for d in PRIVATE_DIRS:
+        for suffix in ("", ".setuid"):
+            p = os.path.join(d, tag + suffix)
+            if os.path.isfile(p):
+                os.remove(p)
+
+
+async def test_a_call_leaves_no_ipc_objects_or_files_and_the_next_sees_none(probe):
+    """The probe's leak: a 5 s call left 1.76 GB of System V shared memory (limit 512 MB), POSIX queues and a
+    setuid binary in /run/lock behind. Now a call has its own IPC namespace and private writable
+    directories: the host sees none of it after the call, nor does the next call."""
+    tag = f"areal_like_ipc_leak_{os.getpid()}"
+    before = _snapshot()
+    try:
+        r = await run_python(LEAVE_IPC_AND_FILES.format(key=_IPC_KEY, tag=tag), timeout_s=20, memory_mb=256)
+        assert r.error is None, r
+        _assert_clean(before)
+        # the host: no SysV object with the call's keys, no POSIX queue, no file in a shared directory
+        keys = _host_sysv_keys()
+        leaked = {kind: [k for k in range(_IPC_KEY, _IPC_KEY + 3) if k in keys[kind]] for kind in keys}
+        assert leaked == {"shm": [], "sem": [], "msg": []}, f"System V objects left on the host: {leaked}"
+        assert not _host_mq_exists(tag), f"POSIX message queue /{tag} left on the host"
+        left = [os.path.join(d, n) for d in PRIVATE_DIRS if os.path.isdir(d) for n in os.listdir(d) if tag in n]
+        assert left == [], f"files left on the host by the call: {left}"
+        # the next call: sees nothing of the first
+        r2 = await run_python(LOOK_FOR_LEFTOVERS.format(key=_IPC_KEY, tag=tag, dirs=PRIVATE_DIRS), timeout_s=20)
+        assert r2.error is None, r2
+        seen = json.loads(r2.stdout)
+        assert (seen["shm"], seen["sem"], seen["msg"], seen["mq"]) == ([-1, -1, -1], -1, -1, -1), seen
+        assert all(names == [] for names in seen["dirs"].values()), f"the next call sees: {seen['dirs']}"
+    finally:
+        _remove_host_leftovers(tag)
+
+
+async def test_system_v_shared_memory_counts_against_the_memory_limit(probe):
+    """Segments outlive their mapping, so RLIMIT_AS alone does not bound them (the probe held 1.76 GB with
+    memory_mb=512): the call's IPC namespace allows memory_mb of System V shared memory in all."""
+    code = textwrap.dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmget.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_int]
+        got = 0
+        for i in range(32):
+            if libc.shmget(0, 64 << 20, 0o1000 | 0o600) < 0:  # IPC_PRIVATE
+                break
+            got += 64
+        print(got)
+    """)
+    try:
+        r = await run_python(code, timeout_s=20, memory_mb=256)
+        assert r.error is None, r
+        assert int(r.stdout) <= 256, f"the call created {r.stdout.strip()} MB of System V shared memory (limit 256 MB)"
+    finally:  # without the call's own IPC namespace the segments stay on the host: remove ours
+        lo = sandbox._UID_BASE + (os.getpid() % (1 << 20)) * 256
+        with open("/proc/sysvipc/shm") as f:
+            next(f)
+            ours = [int(line.split()[1]) for line in f if lo <= int(line.split()[7]) < lo + 256]
+        if ours and os.geteuid() == 0:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            for shmid in ours:
+                libc.shmctl(shmid, 0, None)  # IPC_RMID
+
+
+WRITABLE_DIRS = textwrap.dedent("""
+    import json, os
+    tag = {tag!r}
+    found = []
+    for root, dirs, files in os.walk("/"):
+        if root == "/":
+            dirs[:] = [d for d in dirs if d not in ("proc", "sys")]  # pseudo-filesystems: no files made there
+        probe = os.path.join(root, tag)
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except OSError:
+            continue
+        os.close(fd)  # left in place: the host must not see it after the call
+        found.append(root)
+    print(json.dumps({{"cwd": os.getcwd(), "writable": sorted(found)}}))
+""")
+
+
+async def test_every_directory_the_sandbox_can_write_is_private_to_the_call(probe):
+    """Walk the whole filesystem inside the sandbox and try to create a file in every directory: the
+    only directories that take one are the call's own fresh mounts and its scratch directory, and none
+    of the files made there is on the host afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("private mounts need root (CAP_SYS_ADMIN): a non-root sandbox keeps the user's uid and "
+                    "can write what the user can")
+    tag = f"areal_like_write_probe_{os.getpid()}"
+    # a directory any local user may write, as hosts have (/var/crash, a shared cache): not in the sandbox
+    shared = f"/var/lib/areal_like_world_writable_{os.getpid()}"
+    os.makedirs(shared, exist_ok=True)
+    os.chmod(shared, 0o1777)
+    before = _snapshot()
+    try:
+        r = await run_python(WRITABLE_DIRS.format(tag=tag), timeout_s=120, cpu_s=120, output_chars=1 << 16)
+        assert r.error is None, r
+        got = json.loads(r.stdout)
+        expected = sorted([d for d in PRIVATE_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+                          + [got["cwd"]])
+        assert got["writable"] == expected, (
+            f"the sandbox can write {got['writable']}; expected exactly its private directories {expected}")
+        _assert_clean(before)  # the scratch directory (cwd) is gone
+        on_host = [d for d in got["writable"] if os.path.exists(os.path.join(d, tag))]
+        assert on_host == [], f"files the call made are on the host: {on_host}"
+    finally:
+        for d in PRIVATE_DIRS + (shared,):
+            if os.path.isfile(os.path.join(d, tag)):
+                os.remove(os.path.join(d, tag))
+        os.rmdir(shared)
+
+
+_NOTE = re.compile(r"\n?\.\.\.\[(at least )?(\d+) bytes truncated: the output was (\d+) bytes[^\]]*\]\.\.\.\n")
+
+
+def _shown_and_cut(text: str) -> tuple[int, int, int]:
+    """(bytes shown around the note, bytes the note says were cut, total the note gives)."""
+    m = _NOTE.search(text)
+    assert m and not m.group(1), f"no exact truncation note in {text[:120]!r}...{text[-120:]!r}"
+    shown = len(text.encode()) - len(m.group(0).encode())
+    return shown, int(m.group(2)), int(m.group(3))
+
+
+async def test_the_truncation_note_counts_every_byte_cut(tmp_path, probe):
+    """Issue 24 item 11: 100 MB printed, 1024 chars shown, and the note said ~7 KB were cut."""
+    code = "import sys\nsys.stdout.write('x' * (100 << 20))\nprint('END')\n"
+    total = (100 << 20) + len("END\n")
+    r = await run_python(code, timeout_s=60, output_chars=1024)
+    assert r.error is None, r
+    assert r.stdout.startswith("xxx") and r.stdout.endswith("xEND\n") and len(r.stdout) <= 1024, r.stdout
+    shown, cut, said_total = _shown_and_cut(r.stdout)
+    assert (said_total, cut) == (total, total - shown)
+    assert r.stdout_bytes == total
+    # through the python tool: the same single note (the tool set does not cut it again)
+    tools = ToolSet.from_config(_write_config(tmp_path, timeout_s=60, output_chars=1024))
+    t = await tools.call("python", {"code": code})
+    assert t.error is None and t.text.count("truncated") == 1, t.text
+    assert _shown_and_cut(t.text)[1:] == (total - shown, total)
+    # stderr keeps its end (a traceback's last lines), with the same count
+    r = await run_python("import sys\nsys.stderr.write('e' * (10 << 20))\nraise SystemExit(1)\n", timeout_s=60,
+                         output_chars=512)
+    assert r.error == "exception" and len(r.stderr) <= 512 and r.stderr.endswith("e"), r
+    shown, cut, said_total = _shown_and_cut(r.stderr)
+    assert (said_total, cut) == (10 << 20, (10 << 20) - shown)

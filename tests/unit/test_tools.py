@@ -340,3 +340,51 @@ def test_search_corpus_errors_name_file_and_columns(tmp_path):
         _search_toolset(tmp_path, str(notparquet))
     with pytest.raises(ValueError, match="top_k=0 must be > 0"):
         _search_toolset(tmp_path, _corpus(tmp_path), top_k=0)
+
+
+# ---- sandbox output capture: the truncation note counts the bytes cut (issue 24 item 11) ----------
+def _captured(data: bytes, cap: int, complete: bool = True):
+    from areal_like.tools.sandbox import _Capture
+
+    async def go():
+        c = _Capture(cap)
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        await c.drain(reader)
+        c.complete = complete
+        return c
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("keep", ["middle", "tail"])
+def test_capture_note_counts_bytes_exactly_with_multibyte_text(keep):
+    """Every byte is either shown or counted in the note, also when the cut splits a multi-byte char."""
+    import re
+    data = "é€𝄞x".encode() * 5000  # 10 bytes per 4 chars
+    for cap in (97, 1 << 20):  # head/tail kept while reading, or all of it
+        c = _captured(data, cap)
+        text = c.render(300, keep)
+        assert len(text) <= 300
+        m = re.search(r"\n?\.\.\.\[(\d+) bytes truncated: the output was (\d+) bytes[^\]]*\]\.\.\.\n", text)
+        assert m and int(m.group(2)) == len(data)
+        shown = text.replace(m.group(0), "")
+        head, _, tail = text.partition(m.group(0))
+        # only a char split by a cut is replaced, at the cut
+        assert "\ufffd" not in head.rstrip("\n").rstrip("\ufffd") and "\ufffd" not in tail.lstrip("\ufffd")
+        # whole chars shown + the bytes of split chars at the edges (1-3 each, shown as U+FFFD) + the cut
+        whole_chars = len(shown.replace("\ufffd", "").encode())
+        split = shown.count("\ufffd")
+        assert whole_chars + split <= len(data) - int(m.group(1)) <= whole_chars + 3 * split
+    # ASCII: exact
+    c = _captured(b"z" * 100_000, 97)
+    text = c.render(300, keep)
+    m = re.search(r"\.\.\.\[(\d+) bytes truncated", text)
+    assert int(m.group(1)) == 100_000 - text.count("z")
+
+
+def test_capture_says_at_least_when_not_read_to_the_end():
+    c = _captured(b"y" * 10_000, 256, complete=False)
+    assert "[at least 9" in c.render(200) and "the output was at least 10000 bytes" in c.render(200)
+    c = _captured(b"short\n", 256)
+    assert c.render(200) == "short\n"
