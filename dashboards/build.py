@@ -7,7 +7,8 @@ Every panel's query selects by the labels `launcher run` puts on its Prometheus 
 pick runs and roles. Generation panels carry two queries: the embedded engine's `areal_like_*` series
 and real SGLang's `sglang:*` series (names from SGLang's metrics collector), so one dashboard serves
 both backends; a target whose query reads `sglang:*` is marked `"areal_like_backend": "sglang"`.
-Redis panels read Debian's prometheus-redis-exporter, which the launcher starts beside its Redis.
+Redis panels read the launcher's own Redis metrics endpoint (role/kind `redis`; prometheus-redis-exporter's
+metric names), served beside its Redis (metrics.redis_exporter).
 """
 
 from __future__ import annotations
@@ -166,9 +167,9 @@ BUFFER = [
        [target(f"sum by (run, reason) (rate(areal_like_buffer_dropped_groups_total{L}[{RI}]))", "{{run}} {{reason}}")]),
     ts("Oldest unconsumed group age", "Seconds the oldest group has waited in the buffer.",
        [target(f"areal_like_buffer_oldest_age_seconds{L}", "{{run}}")], unit="s"),
-    ts("Redis memory", "Memory used by the run's redis-server (prometheus-redis-exporter).",
+    ts("Redis memory", "Memory used by the run's redis-server (INFO used_memory, served by the launcher).",
        [target(f"redis_memory_used_bytes{RD}", "{{run}} used")], unit="bytes"),
-    ts("Redis commands/s", "Commands the run's redis-server processed per second (prometheus-redis-exporter).",
+    ts("Redis commands/s", "Commands the run's redis-server processed per second (INFO, served by the launcher).",
        [target(f"sum by (run) (rate(redis_commands_processed_total{RD}[{RI}]))", "{{run}}")]),
 ]
 

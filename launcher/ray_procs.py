@@ -102,7 +102,10 @@ class RoleHost:
 
         if argv and argv[0] == executable:  # the launcher's interpreter → this node's (same environment)
             argv = [sys.executable, *argv[1:]]
-        env = {**os.environ, **env_delta}  # the node's own, then the role's (the driver's, less node-local ones)
+        # the node's own, then the role's (the driver's, less node-local ones). Redis variables come from the
+        # driver only: a node's own (a user's REDIS_PASSWORD, …) never reach a role — a generation server
+        # gets none at all (issue 24), the others get the driver's in the delta.
+        env = {**{k: v for k, v in os.environ.items() if "REDIS" not in k.upper()}, **env_delta}
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab", buffering=0) as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

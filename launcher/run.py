@@ -309,30 +309,22 @@ class Run:
         return self.redis.url
 
     def _start_redis_exporter(self) -> None:
-        """metrics.redis_exporter: prometheus-redis-exporter beside our Redis (a helper, not supervised)."""
-        from launcher import redis_exporter
+        """metrics.redis_exporter: the run's Redis metrics served by the launcher itself (a thread, not a
+        process): INFO on our own Redis only, at /metrics only — no `/scrape?target=`, so no local user
+        can make it send the password elsewhere (issue 24)."""
+        from areal_like.metrics.redis_info import RedisMetricsEndpoint
 
-        mode = self.cfg.metrics.redis_exporter
-        if mode is False or not self.cfg.metrics.prometheus:
+        if self.cfg.metrics.redis_exporter is False or not self.cfg.metrics.prometheus:
             return
-        if mode == "auto" and redis_exporter.installed() is None:
-            print(f"[launcher] {redis_exporter.BINARY} is not installed: no Redis panels on the dashboard "
-                  "(`bash scripts/setup.sh` installs it; metrics.redis_exporter=false silences this)", flush=True)
-            return
-        exporter = redis_exporter.RedisExporter(self.redis.host, self.redis.port, self.redis.password,
-                                                os.path.join(self.run_dir, "logs", "redis_exporter.log"),
-                                                host=self.redis.host)
-        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        # the launcher's node address: 127.0.0.1 locally, the head node's under Ray (where Redis is)
+        endpoint = RedisMetricsEndpoint(self.redis.host, self.redis.port, self.redis.password, host=self.redis.host)
         try:
-            exporter.start()
-        except redis_exporter.RedisExporterError as e:
-            if mode is True:
-                raise RunError(f"metrics.redis_exporter=true: {e}") from None
-            print(f"[launcher] no Redis metrics: {e}", flush=True)
-            return
-        self.redis_exporter = exporter
-        self.procs.add_service("redis_exporter", exporter.pid)
-        print(f"[launcher] {redis_exporter.BINARY} pid {exporter.pid} on {exporter.address}", flush=True)
+            endpoint.start()
+        except OSError as e:
+            raise RunError(f"metrics.redis_exporter: cannot serve the Redis metrics on {self.redis.host} ({e}); "
+                           "set metrics.redis_exporter=false to run without the dashboard's Redis panels") from None
+        self.redis_exporter = endpoint
+        print(f"[launcher] Redis metrics at http://{endpoint.address}/metrics", flush=True)
 
     def _child_env(self, redis_url: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -348,6 +340,14 @@ class Run:
         # Each role is one process on a shared CPU: keep torch from oversubscribing the cores.
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
+
+    def _server_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A generation server's environment: the roles' less every Redis secret — it never uses Redis, so
+        neither the run's URL (with its password) nor buffer.password_env's variable nor any REDIS_*
+        variable of the user's shell reaches it (issue 24: /proc/<pid>/environ of a process is one more
+        place a password can leak from, e.g. through a server's crash dump or a debugger)."""
+        drop = {"AREAL_LIKE_REDIS_URL", "AREAL_LIKE_REDIS_PASSWORD", self.cfg.buffer.password_env or ""}
+        return {k: v for k, v in env.items() if k not in drop and "REDIS" not in k.upper()}
 
     def _role_env(self, name: str, devices: bool = True) -> dict[str, str]:
         """What differs per role: its devices (CUDA_VISIBLE_DEVICES from the plan) and, under Ray, the
@@ -467,7 +467,7 @@ class Run:
                 f.write(encode_config(self.cfg))
             redis_url = self._redis_url = self._start_redis()
             env = self._child_env(redis_url)
-            urls = self._server_urls = self._start_servers(env)
+            urls = self._server_urls = self._start_servers(self._server_env(env))  # no Redis secret
             sglang = self.alloc.generation.backend == "sglang"
             # metrics.prometheus=false: no role gets a metrics port (none serves /metrics).
             prom = self.cfg.metrics.prometheus

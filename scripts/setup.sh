@@ -33,12 +33,12 @@ step() {
   fi
 }
 
-# System packages: redis-server (the replay buffer), prometheus-redis-exporter (Redis metrics on the
-# dashboard; the launcher starts it beside its Redis when installed), and for the tests: tmux (the
-# progress bar's terminal), prometheus (the dashboards' queries run against a real one) and chromium
-# (report.html opened headless), npm (Grafana's dashboard schema, below). Every missing one is installed
-# by one apt-get call.
-APT_PACKAGES=(redis-server prometheus-redis-exporter tmux prometheus chromium npm)
+# System packages: redis-server (the replay buffer), and for the tests: tmux (the progress bar's
+# terminal), prometheus (the dashboards' queries run against a real one) and chromium (report.html
+# opened headless), npm (Grafana's dashboard schema, below). Every missing one is installed by one
+# apt-get call. (The dashboard's Redis metrics are served by the launcher itself: no
+# prometheus-redis-exporter, whose /scrape?target= hands the Redis password to any local user.)
+APT_PACKAGES=(redis-server tmux prometheus chromium npm)
 have() { command -v "$1" >/dev/null 2>&1 || dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "ok installed"; }
 missing=()
 for p in "${APT_PACKAGES[@]}"; do have "$p" || missing+=("$p"); done

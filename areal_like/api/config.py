@@ -552,12 +552,15 @@ class MetricsConfig(_Section):
     Prometheus's file discovery (removed when the run ends; Prometheus allows a wildcard only in a file
     name, so every run's file must share one directory). None = the run directory's parent: `runs/` for
     default run directories, which dashboards/prometheus.yml reads (`../runs/*.targets.json`)."""
-    redis_exporter: bool | Literal["auto"] = "auto"
-    """Debian's `prometheus-redis-exporter` beside the launcher's own redis-server, so the dashboard's
-    buffer row shows Redis memory and commands/s (role `redis` in prometheus_targets.json): `auto` =
-    started when installed (`scripts/setup.sh` installs it), else one line says it is not; `true` = the
-    run fails if it cannot start; `false` = never. Not used with buffer.redis_url (a Redis you run) or
-    metrics.prometheus=false."""
+    redis_exporter: bool | Literal["auto"] = True
+    """The launcher's own Redis metrics endpoint beside its redis-server, so the dashboard's buffer row
+    shows Redis memory and commands/s (role `redis` in prometheus_targets.json; the names Debian's
+    prometheus-redis-exporter uses: `redis_up`, `redis_memory_used_bytes`,
+    `redis_commands_processed_total`, `redis_connected_clients`, `redis_db_keys`, …). A thread of the
+    launcher runs INFO on the run's own Redis at each scrape and serves only /metrics (no
+    `/scrape?target=`: no local user can make it send the password elsewhere). true = served; false =
+    not; `auto` = true (kept for configs written when this started the Debian exporter). Not used with
+    buffer.redis_url (a Redis you run) or metrics.prometheus=false."""
 
 
 class ExperimentConfig(_Section):

