@@ -385,7 +385,9 @@ class Run:
                                        weight_update=cfg.weights.mode, dtype=cfg.server.dtype,
                                        mem_fraction_static=cfg.server.mem_fraction_static,
                                        # the workflows' limit, also SGLang's (else it takes the model's)
-                                       extra_args=["--context-length", str(cfg.resolved_max_context_len())])
+                                       extra_args=["--context-length", str(cfg.resolved_max_context_len())],
+                                       # the keys: a 0600 --config file in the 0700 run dir, never argv (issue 24)
+                                       secrets_file=os.path.join(self.run_dir, "sglang-secrets.yaml"))
         roles = []
         for srv in servers:
             if srv.nnodes > 1:
@@ -397,6 +399,7 @@ class Run:
                 argv[argv.index("--base-gpu-id") + 1] = "0"
             # Local: --base-gpu-id picks its first device, all visible. Ray: only its own are visible.
             name = f"server{srv.index}"
+            proc.write_secrets()
             roles.append(self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)}))
         for srv, role in zip(servers, roles):
             # Model load and CUDA-graph capture take minutes on real models.

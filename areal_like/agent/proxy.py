@@ -41,7 +41,19 @@ What differs from OpenAI, on purpose:
 - Tool calls are parsed from the Hermes format (`<tool_call>{json}</tool_call>`, workflow/tool_parser.py)
   into `message.tool_calls` (finish_reason `tool_calls`); a malformed call stays in `content` as the
   model wrote it and is described in the extension field `message.tool_call_errors`.
+- Request size (issue 24: a 50 MB body grew the rollout worker to 17.7 GB; a 2 MB one held every
+  other agent ~2.4 s behind the one tokenizer thread): a body over `max_request_bytes`
+  (max_total_tokens × `rollout.multi_turn.max_request_bytes_per_token` + 64 KiB) is a 413 naming that
+  key, sent when the headers arrive (Content-Length) or as soon as a chunked body passes it — the
+  body is never held whole; a chat whose text (contents + tools) or a text prompt longer than
+  max_total_tokens × that key in characters is a 400 `context_length_exceeded` before any
+  tokenization. Tokenization runs off the event loop in two
+  lanes, each one thread with its own tokenizer: bodies over 64 KiB in one, all others (and decoding)
+  in the other, so a large request never queues the small ones of other agents.
 - Streaming is emulated: the whole reply comes as one chunk, then the finish chunk, then `[DONE]`.
+- A completion is recorded (trained) only once its reply was delivered: when the agent disconnected
+  before that (a streamed reply it closed, or a request it gave up on while generating), the
+  completion is dropped and its admission given back (issue 24).
 - Extensions: `return_token_ids: true` adds `prompt_token_ids` and per-choice `token_ids`.
 - Errors are OpenAI-shaped `{"error": {"message", "type", "param", "code"}}`: 401 for a missing or
   unknown key, 404 for an unknown completion id, 502 for any generation failure (naming the server
@@ -65,6 +77,7 @@ This module knows nothing of the rollout worker, rewards functions or the buffer
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import math
@@ -86,7 +99,10 @@ log = logging.getLogger(__name__)
 EXPORT_STYLES = ("concat", "individual")
 MODEL_ID = "areal_like"
 OVERRIDE_HEADER = "X-Areal-Like-Sampling-Overridden"
-_MAX_BODY = 64 << 20  # a long agent conversation re-sends everything each turn
+_BODY_OVERHEAD = 64 << 10  # JSON structure, field names, small tool schemas: on top of the per-token bound
+_BIG_LANE_BYTES = 64 << 10  # bodies above this are tokenized in their own lane (module doc)
+_BYTES_KEY = "rollout.multi_turn.max_request_bytes_per_token"
+_BODY_BYTES = web.RequestKey("body_bytes", int)  # the request body's size, read by `_body`
 _RECORDED = web.RequestKey("completion_recorded", bool)  # set once the request's completion is recorded
 
 
@@ -189,9 +205,12 @@ class AgentProxy:
         self._runner: web.AppRunner | None = None
         self.refused_completions = 0
         """Completion requests refused by the per-episode cap, over the proxy's life (all sessions)."""
-        # One thread for the tokenizer: template rendering of a long conversation stays off the event
-        # loop, and a fast tokenizer is never used from two threads at once ("Already borrowed").
+        # Two tokenizer lanes, one thread each with its own tokenizer (module doc): template rendering stays
+        # off the event loop, a fast tokenizer is never used from two threads at once ("Already borrowed"),
+        # and a large request (up to max_request_bytes) never queues the small ones behind it.
         self._tok_pool: ThreadPoolExecutor | None = None
+        self._big_pool: ThreadPoolExecutor | None = None
+        self._big_tokenizer = tokenizer
         stop = list(gen.stop_token_ids)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is not None and int(eos) not in stop:
@@ -218,15 +237,33 @@ class AgentProxy:
         limits = [x for x in (self.multi_turn.max_total_tokens, self.max_context_len) if x]
         return min(limits)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longest chat text (contents + tools, characters) tokenized at all (module doc, Request size)."""
+        return self.max_total_tokens * self.multi_turn.max_request_bytes_per_token
+
+    @property
+    def max_request_bytes(self) -> int:
+        """Largest request body accepted (module doc, Request size)."""
+        return self.max_prompt_chars + _BODY_OVERHEAD
+
     async def start(self) -> "AgentProxy":
         if self._runner is not None:
             return self
-        app = web.Application(client_max_size=_MAX_BODY, middlewares=[_errors])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[_errors])
         app.router.add_post("/v1/chat/completions", self._capped(self._chat))
         app.router.add_post("/v1/completions", self._capped(self._completions))
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/rl/set_reward", self._set_reward)
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-proxy-tokenizer")
+        self._big_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-proxy-tokenizer-large")
+        try:  # the large lane's own copy: the two threads never share a (Rust) tokenizer
+            self._big_tokenizer = copy.deepcopy(self.tokenizer)
+        except Exception as e:  # not copyable: both lanes share one thread (correct, only slower for others)
+            log.warning("agent proxy: the tokenizer cannot be copied (%s: %s); large requests share the "
+                        "tokenizer thread with the small ones", type(e).__name__, e)
+            self._big_pool.shutdown(wait=False)
+            self._big_pool = None
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
@@ -241,9 +278,10 @@ class AgentProxy:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-        if self._tok_pool is not None:
-            self._tok_pool.shutdown(wait=False, cancel_futures=True)
-            self._tok_pool = None
+        for pool in (self._tok_pool, self._big_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._tok_pool = self._big_pool = None
 
     async def __aenter__(self) -> "AgentProxy":
         return await self.start()
@@ -290,11 +328,14 @@ class AgentProxy:
                            f"end the episode and return its reward", code="max_completions_per_episode_exceeded")
             s.admitted += 1
             try:
-                return await handler(request)
+                resp = await handler(request)
             except BaseException:
                 if not request.get(_RECORDED):
                     s.admitted -= 1  # nothing recorded (bad request, generation failure): not a completion
                 raise
+            if not request.get(_RECORDED):
+                s.admitted -= 1  # the agent left before its reply was delivered: nothing recorded
+            return resp
 
         return capped
 
@@ -312,20 +353,59 @@ class AgentProxy:
                                  "while its episode runs", code="invalid_api_key")
         return s
 
-    @staticmethod
-    async def _body(request: web.Request) -> dict[str, Any]:
+    def _too_large(self, size: str) -> _ApiError:
+        return _ApiError(413, f"the request body ({size}) is larger than the agent proxy accepts: "
+                              f"{self.max_request_bytes} bytes = {self.max_total_tokens} tokens of context × "
+                              f"{_BYTES_KEY} ({self.multi_turn.max_request_bytes_per_token}) + {_BODY_OVERHEAD} "
+                              f"(a conversation that long cannot fit the context): end the episode, or raise "
+                              f"{_BYTES_KEY}", code="request_too_large")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        # Refused from the headers when the size is declared, never reading the body; a chunked body is read
+        # only up to the bound (aiohttp's client_max_size, the same number).
+        if request.content_length is not None and request.content_length > self.max_request_bytes:
+            raise self._too_large(f"{request.content_length} bytes")
         try:
-            body = json.loads(await request.read() or b"null")
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large(f"more than {self.max_request_bytes} bytes, chunked") from None
+        request[_BODY_BYTES] = len(raw)
+        try:
+            body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(f"the request body is not valid JSON: {e}") from None
+            raise _bad(f"the request body is not valid JSON: {e}"[:500]) from None
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
         return body
 
-    async def _tok(self, fn, *args):
+    async def _tok(self, fn, *args, request: web.Request | None = None):
+        """``fn(tokenizer, *args)`` in a tokenizer lane: the large one for a body over 64 KiB (module doc)."""
         if self._tok_pool is None:
             raise _ApiError(503, "the agent proxy is closed", type_="server_error")
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
+        big = request is not None and request.get(_BODY_BYTES, 0) > _BIG_LANE_BYTES and self._big_pool is not None
+        pool, tok = (self._big_pool, self._big_tokenizer) if big else (self._tok_pool, self.tokenizer)
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, tok, *args)
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context before tokenizing it (module doc, Request size)."""
+        if chars > self.max_prompt_chars:
+            raise _bad(f"This model's maximum context length is {self.max_total_tokens} tokens; the prompt has "
+                       f"{chars} characters, more than {self.max_prompt_chars} (= {self.max_total_tokens} × "
+                       f"{_BYTES_KEY}), so it cannot fit: it is not tokenized. End the episode.", param=param,
+                       code="context_length_exceeded")
+
+    def _record(self, request: web.Request, s: Session, c: Completion) -> bool:
+        """Record ``c`` once its reply is delivered; False (nothing recorded) when the agent left first."""
+        if s.closed:
+            raise _ApiError(409, "the session was closed while this completion was generating", type_="conflict_error")
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            log.info("agent session %s-%d disconnected before completion %s was delivered: not recorded",
+                     s.group_id, s.index, c.id)
+            return False
+        s.add(c)
+        request[_RECORDED] = True
+        return True
 
     # ---------------------------------------------------------------- endpoints
     async def _models(self, request: web.Request) -> web.Response:
@@ -375,8 +455,9 @@ class AgentProxy:
         tools = body.get("tools") or None
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise _bad("'tools' must be a list of tool objects", param="tools")
+        self._check_prompt_chars(_chat_chars(messages, tools), "messages")
         try:
-            prompt_ids = await self._tok(self._render_chat, messages, tools)
+            prompt_ids = await self._tok(self._render_chat, messages, tools, request=request)
         except _ApiError:
             raise
         except Exception as e:  # template errors (roles, tool shapes) are the caller's
@@ -384,7 +465,6 @@ class AgentProxy:
                        param="messages") from None
         c, overridden = await self._generate(s, prompt_ids, body, "chatcmpl-", "messages",
                                              messages=messages, tools=tools)
-        request[_RECORDED] = True
         content, calls, errors = _split_tool_calls(c.text, id_prefix=f"call_{c.id[-8:]}_{c.seq}")
         finish = "tool_calls" if calls else c.finish_reason
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -404,8 +484,9 @@ class AgentProxy:
             first = {**choice, "delta": delta, "finish_reason": None}
             first.pop("message")
             last = {"index": 0, "delta": {}, "finish_reason": finish, "logprobs": None}
-            return await self._stream(request, reply, "chat.completion.chunk", [first, last], overridden,
+            return await self._stream(request, s, c, reply, "chat.completion.chunk", [first, last], overridden,
                                       _include_usage(body))
+        self._record(request, s, c)
         return self._json(reply, overridden)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -422,7 +503,8 @@ class AgentProxy:
                        param="logprobs")
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
-            prompt_ids = await self._tok(self._encode, prompt)
+            self._check_prompt_chars(len(prompt), "prompt")
+            prompt_ids = await self._tok(self._encode, prompt, request=request)
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             vocab = len(self.tokenizer)
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -435,7 +517,6 @@ class AgentProxy:
         if not prompt_ids:
             raise _bad("'prompt' tokenizes to nothing", param="prompt")
         c, overridden = await self._generate(s, prompt_ids, body, "cmpl-", "prompt", prompt=prompt)
-        request[_RECORDED] = True
         choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason,
                   "logprobs": self._lp_legacy(c) if lp is not None else None}
         if body.get("return_token_ids"):
@@ -444,8 +525,9 @@ class AgentProxy:
         if body.get("stream"):
             first = {**choice, "finish_reason": None}
             last = {"index": 0, "text": "", "finish_reason": c.finish_reason, "logprobs": None}
-            return await self._stream(request, reply, "text_completion", [first, last], overridden,
+            return await self._stream(request, s, c, reply, "text_completion", [first, last], overridden,
                                       _include_usage(body))
+        self._record(request, s, c)
         return self._json(reply, overridden)
 
     # ---------------------------------------------------------------- request checks and shaping
@@ -521,8 +603,7 @@ class AgentProxy:
                        output_logprobs=[float(x) for x in res.output_logprobs],
                        output_versions=[int(v) for v in res.output_versions], finish_reason=res.finish_reason,
                        text=text, created=time.time(), **record)
-        s.add(c)
-        return c, overridden
+        return c, overridden  # recorded by `_record` once the reply is delivered
 
     def _seed(self, s: Session, k: int) -> int | None:
         from areal_like.workflow.rlvr import sample_seed
@@ -533,7 +614,8 @@ class AgentProxy:
         return sample_seed(self.seed, s.group_id if k == 0 else f"{s.group_id}/t{k}", s.index)
 
     # tokenizer thread
-    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    @classmethod
+    def _render_chat(cls, tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         flat = []
         for m in messages:
             content = m.get("content")
@@ -543,16 +625,18 @@ class AgentProxy:
                 content = "".join(str(p.get("text", "")) for p in content)
             flat.append({**m, "content": "" if content is None else content})  # None renders as "None"
         kwargs = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **kwargs)
         if not isinstance(text, str) or not text:
             raise _bad("the chat template produced an empty prompt", param="messages")
-        return self._encode(text)
+        return cls._encode(tokenizer, text)
 
-    def _encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+    @staticmethod
+    def _encode(tokenizer, text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    @staticmethod
+    def _decode(tokenizer, ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
 
     def _token_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
@@ -592,23 +676,48 @@ class AgentProxy:
         headers = {OVERRIDE_HEADER: ",".join(overridden)} if overridden else None
         return web.json_response(reply, headers=headers)
 
-    @staticmethod
-    async def _stream(request: web.Request, reply: dict[str, Any], obj: str, choices: list[dict[str, Any]],
-                      overridden: list[str], include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, s: Session, c: Completion, reply: dict[str, Any], obj: str,
+                      choices: list[dict[str, Any]], overridden: list[str], include_usage: bool) -> web.StreamResponse:
+        """Stream the reply, then record ``c`` if the agent is still there to have read it all (`_record`)."""
         headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if overridden:
             headers[OVERRIDE_HEADER] = ",".join(overridden)
         resp = web.StreamResponse(headers=headers)
-        await resp.prepare(request)
+        if s.closed:
+            self._record(request, s, c)  # raises the 409
         base = {k: v for k, v in reply.items() if k not in ("choices", "usage")}
-        for ch in choices:
-            await resp.write(b"data: " + json.dumps({**base, "object": obj, "choices": [ch]}).encode() + b"\n\n")
-        if include_usage:
-            await resp.write(b"data: " + json.dumps({**base, "object": obj, "choices": [],
-                                                      "usage": reply["usage"]}).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the agent disconnected while the completion was generating")
+            await resp.prepare(request)
+            for ch in choices:
+                await resp.write(b"data: " + json.dumps({**base, "object": obj, "choices": [ch]}).encode() + b"\n\n")
+            if include_usage:
+                await resp.write(b"data: " + json.dumps({**base, "object": obj, "choices": [],
+                                                          "usage": reply["usage"]}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError as e:  # aiohttp's ClientConnectionResetError is one
+            log.info("agent session %s-%d disconnected from the stream of completion %s (%s): not recorded",
+                     s.group_id, s.index, c.id, e)
+            return resp
+        self._record(request, s, c)
         return resp
+
+
+def _chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters of a chat's text (every content, text part and tool-call argument; tools as JSON): what
+    the template renders, bounded cheaply before any tokenization."""
+    n = 0
+    for m in messages:
+        for v in m.values():
+            if isinstance(v, str):
+                n += len(v)
+            elif isinstance(v, (list, dict)):
+                n += len(json.dumps(v))
+    if tools:
+        n += len(json.dumps(tools))
+    return n
 
 
 def _include_usage(body: dict[str, Any]) -> bool:

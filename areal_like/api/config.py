@@ -99,6 +99,14 @@ class MultiTurnConfig(_Section):
     """Prompt + every turn + every tool result, in tokens; an episode that would pass it ends cleanly
     with finish reason `context_limit`. None = server.max_context_len (which, itself null, derives from
     the longest episode these limits allow)."""
+    max_request_bytes_per_token: int = 32
+    """Size bound of one request to the agent proxy, per token of context: a body over
+    max_total_tokens × this + 64 KiB is refused with HTTP 413 before it is read (Content-Length) or as
+    soon as it passes the bound (chunked), and a chat whose text exceeds max_total_tokens × this
+    characters is refused (400 `context_length_exceeded`) before it is tokenized, so one agent's huge
+    request costs the rollout worker neither memory nor tokenizer time (issue 24: a 50 MB body grew
+    the worker to 17.7 GB). 32 covers JSON escaping of non-ASCII text; raise it only for tokens
+    longer than that."""
     max_tool_response_tokens: int = 256
     """A tool result longer than this (tokens) is truncated before it is appended as an observation."""
     export_style: Literal["concat", "individual"] = "concat"
@@ -693,6 +701,9 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"rollout.multi_turn.turn_discount={mt.turn_discount}: must be in (0, 1]")
         if mt.max_tool_response_tokens < 1:
             raise ConfigError("rollout.multi_turn.max_tool_response_tokens must be ≥ 1")
+        if mt.max_request_bytes_per_token < 1:
+            raise ConfigError(f"rollout.multi_turn.max_request_bytes_per_token={mt.max_request_bytes_per_token}: "
+                              "must be ≥ 1")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
         mf = self.server.mem_fraction_static

@@ -43,6 +43,13 @@ Decisions (see PROTOCOL.md "Launching real SGLang"):
 * **Supported releases** (`SUPPORTED_SGLANG`): the ones whose request types, routes and weight
   receiver the conformance suite (tests/conformance) checks; `require_sglang` refuses others,
   naming the installed version and the range.
+* **Keys in a 0600 file, not argv** (issue 24): ``/proc/<pid>/cmdline`` is readable by every
+  local user, so ``server.api_key`` / ``server.admin_api_key`` go into a YAML file (``secrets_file``,
+  in the 0700 run directory, mode 0600, written by `write_secrets_file`) that SGLang's own
+  ``--config`` reads (`prepare_server_args` → ``ConfigArgumentMerger``: ``api-key: "K"`` becomes
+  ``--api-key K`` inside the server, not in its command line);
+  argv carries only ``--config <file>``. SGLang reads a single ``--config``, so ``extra_args`` with
+  its own ``--config`` are refused while a key is set.
 * **``/health`` without generation**: SGLang's ``/health`` generates one token, which waits while
   the server is paused for a weight update (then 503 after ~20 s); the servers run with
   ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``, so ``/health`` answers 200 while the HTTP
@@ -53,12 +60,13 @@ Decisions (see PROTOCOL.md "Launching real SGLang"):
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # only the shapes are used; the launcher hands a Placement in
@@ -90,6 +98,12 @@ TRAINER_WEIGHT_GROUP_ENV: dict[str, str] = {
 """Environment overlay for the learner processes (rank 0 joins the weight group)."""
 
 SECRET_FLAGS = frozenset({"--api-key", "--admin-api-key"})
+"""Flags whose values are secrets: never put in argv (see `secret_config`); redacted by `redact_argv`."""
+_SECRET_KEYS = {"--api-key": ("api-key", "server.api_key"),
+                "--admin-api-key": ("admin-api-key", "server.admin_api_key")}
+"""flag -> (its key in SGLang's --config YAML; the launcher's config key). The YAML key is the flag's
+spelling without ``--``: ``ConfigArgumentMerger`` turns ``key: v`` into ``--key v`` verbatim, so the
+dest spelling (``api_key``) is an unknown flag to 0.5.23's parser (the conformance suite checks this)."""
 
 WeightUpdate = Literal["distributed", "disk"]
 
@@ -111,6 +125,15 @@ class SGLangProcess:
     argv: tuple[str, ...]
     env: dict[str, str]
     """Variables to add to the node's environment (not a full environment)."""
+    secrets_file: str | None = None
+    """The ``--config`` YAML file in argv, which must hold `secrets` (`write_secrets_file`) before start."""
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    """SGLang settings that must not appear in argv (``api-key``, ``admin-api-key``), by flag name."""
+
+    def write_secrets(self) -> None:
+        """Write `secrets` to `secrets_file` (mode 0600); nothing when the process has none."""
+        if self.secrets_file is not None:
+            write_secrets_file(self.secrets_file, self.secrets)
 
     def shell(self, *, redact: bool = True) -> str:
         """The command line as a shell string; API keys shown as ``***`` unless ``redact=False``."""
@@ -166,6 +189,7 @@ def build_sglang_servers(
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
     supported_flags: Collection[str] | None = None,
+    secrets_file: str | None = None,
 ) -> list[SGLangServer]:
     """The launch commands of every generation server of ``placement``, in server order.
 
@@ -174,7 +198,10 @@ def build_sglang_servers(
     (default ``127.0.0.1``, allowed only while every server is on node 0). ``host``: bind address
     (default: the node's address). ``dist_init_ports[k]``: required for servers spanning nodes.
     ``supported_flags``: the release's flags (`sglang_server_flags`); None = assume a current
-    release. Raises `SGLangArgsError` naming the setting to change.
+    release. ``secrets_file``: where the keys go (required when a key is set): argv gets
+    ``--config secrets_file`` and each process's `SGLangProcess.write_secrets` writes the keys there
+    (0600) — never in argv, which every local user can read. Raises `SGLangArgsError` naming the
+    setting to change.
     """
     alloc = placement.allocation
     gen = alloc.generation
@@ -218,6 +245,33 @@ def build_sglang_servers(
                     f"this SGLang release has no {flag}: the server would run unauthenticated; "
                     "upgrade sglang or unset the key"
                 )
+    secrets = {_SECRET_KEYS[f][0]: v for f, v in (("--api-key", api_key), ("--admin-api-key", admin_api_key)) if v}
+    if secrets:
+        names = " and ".join(_SECRET_KEYS[f][1] for f, v in (("--api-key", api_key), ("--admin-api-key", admin_api_key))
+                             if v)
+        for f, v in (("--api-key", api_key), ("--admin-api-key", admin_api_key)):
+            if v and v.startswith("-"):  # `--api-key -…` after SGLang's --config merge: "expected one argument"
+                raise SGLangArgsError(f"{_SECRET_KEYS[f][1]} starts with '-', which SGLang's argument parser takes for "
+                                      "a flag (the server would not start): choose a key that does not")
+        if secrets_file is None:
+            raise SGLangArgsError(f"{names} set but no secrets_file: the keys go into a 0600 --config file, never argv")
+        if not secrets_file.endswith((".yaml", ".yml")):
+            raise SGLangArgsError(f"secrets_file {secrets_file!r} must end in .yaml (SGLang's --config reads only "
+                                  "YAML)")
+        if flags is not None and "--config" not in flags:
+            raise SGLangArgsError(f"this SGLang release has no --config: {names} would have to go on the command "
+                                  "line, readable by every local user; upgrade sglang or unset the key")
+        extra = list(extra_args)
+        for i, a in enumerate(extra):
+            if a == "--config" or a.startswith("--config="):
+                user_file = a.split("=", 1)[1] if "=" in a else (extra[i + 1] if i + 1 < len(extra) else "?")
+                raise SGLangArgsError(
+                    f"the SGLang arguments already have --config {user_file}, but SGLang reads one config file and "
+                    f"the launcher's ({secrets_file}) carries {names}: move that file's settings to flags, or unset "
+                    "the key")
+            if a in SECRET_FLAGS or a.split("=", 1)[0] in SECRET_FLAGS:
+                raise SGLangArgsError(f"the SGLang arguments contain {a.split('=', 1)[0]}: keys never go on the "
+                                      f"command line (every local user can read it); set {names} instead")
 
     out: list[SGLangServer] = []
     for k, sp in enumerate(servers):
@@ -240,10 +294,8 @@ def build_sglang_servers(
             common += ["--mem-fraction-static", repr(float(mem_fraction_static))]
         if dtype is not None:  # the learner's dtype: weights pushed to the server arrive in it
             common += ["--dtype", dtype]
-        if api_key:
-            common += ["--api-key", api_key]
-        if admin_api_key:
-            common += ["--admin-api-key", admin_api_key]
+        if secrets:  # the keys themselves go into the 0600 file; argv names only the file
+            common += ["--config", secrets_file]
         procs = []
         for rank, (node, base) in enumerate(shares):
             argv = [*head, "--host", host or node_hosts[node], *common, "--base-gpu-id", str(base)]
@@ -256,7 +308,8 @@ def build_sglang_servers(
                 argv += ["--dist-init-addr", f"{node_hosts[shares[0][0]]}:{dist_init_ports[k]}",
                          "--nnodes", str(len(shares)), "--node-rank", str(rank)]
             argv += list(extra_args)
-            procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(SERVER_ENV)))
+            procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(SERVER_ENV),
+                                       secrets_file=secrets_file if secrets else None, secrets=dict(secrets)))
         out.append(SGLangServer(index=sp.index, url=f"http://{_url_host(node_addr)}:{ports[k]}", host=bind,
                                 port=ports[k], tp=gen.tp, pp=gen.pp, seed=seed_list[k], processes=tuple(procs)))
     return out
@@ -282,6 +335,22 @@ def weight_update_group_layout(servers: Sequence[SGLangServer]) -> list[tuple[st
 def processes_on_node(servers: Sequence[SGLangServer], node: int) -> list[tuple[SGLangServer, SGLangProcess]]:
     """The processes node ``node``'s launcher starts (multi-node backends run one launcher per node)."""
     return [(s, p) for s in servers for p in s.processes if p.node == node]
+
+
+def write_secrets_file(path: str, secrets: dict[str, str]) -> None:
+    """Write ``secrets`` as SGLang ``--config`` YAML (``flag-name: "value"``) to ``path``, mode 0600.
+
+    Created 0600 from the start (no window where it is readable), not following a symlink at
+    ``path``; an existing file (a re-run) is truncated and set back to 0600. Values are written as
+    JSON strings, which YAML reads back as the same strings (a key like ``123`` or ``yes`` stays text).
+    """
+    body = "".join(f"{k}: {json.dumps(str(v))}\n" for k, v in secrets.items())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, body.encode())
+    finally:
+        os.close(fd)
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:

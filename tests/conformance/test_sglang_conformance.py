@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import types
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -103,9 +104,11 @@ def start_harness(tmp_path, model_dir, flags, *, extra_args=(), drop_routes=(), 
     plan = place("sglang:d1+fsdp:d1", None, 8)
     (server,) = build_sglang_servers(plan, model_path=model_dir, ports=[free_port()], seeds=11, api_key=API,
                                      admin_api_key=ADMIN, python=PY, supported_flags=flags,
-                                     extra_args=["--context-length", "256", *extra_args])
+                                     extra_args=["--context-length", "256", *extra_args],
+                                     secrets_file=str(tmp_path / "sglang-secrets.yaml"))
     (proc,) = server.processes
     assert proc.argv[:3] == (PY, "-m", "sglang.launch_server")
+    proc.write_secrets()  # as the launcher does before starting the process
     argv = [PY, HARNESS, *(a for r in drop_routes for a in ("--drop-route", r)), "--", *proc.argv[3:]]
     log_path = tmp_path / f"sglang-{server.port}.log"
     penv = {**os.environ, **(proc.env if env is None else env), "GLOO_SOCKET_IFNAME": "lo"}
@@ -181,6 +184,48 @@ def test_the_release_is_supported_and_its_parser_takes_the_launchers_argv(tmp_pa
                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
     assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
     assert SUPPORTED_SGLANG[0] == ">=0.5.21"
+
+
+_PARSE = """\
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+a = prepare_server_args(sys.argv[1:] + ["--device", "cpu"])
+print(json.dumps({"api_key": a.api_key, "admin_api_key": a.admin_api_key}))
+"""
+
+
+def test_keys_reach_sglang_through_its_config_file_not_argv(tmp_path, model_dir, flags, harness):
+    """Issue 24 item 2: SGLang 0.5.23's own `prepare_server_args` on the launcher's argv takes both keys
+    from the 0600 `--config` file, and the key strings appear in no argv: neither the launcher's nor
+    the running server's /proc/<pid>/cmdline, which `ps` shows to every local user."""
+    api, admin = "api-" + os.urandom(8).hex(), "admin-" + os.urandom(8).hex()
+    plan = place("sglang:d1+fsdp:d1", None, 8)
+    secrets = tmp_path / "sglang-secrets.yaml"
+    (server,) = build_sglang_servers(plan, model_path=model_dir, ports=[free_port()], seeds=11, api_key=api,
+                                     admin_api_key=admin, python=PY, supported_flags=flags,
+                                     extra_args=["--context-length", "256"], secrets_file=str(secrets))
+    (proc,) = server.processes
+    assert not any(api in a or admin in a for a in proc.argv), proc.argv
+    proc.write_secrets()
+    assert (secrets.stat().st_mode & 0o777) == 0o600
+    out = subprocess.run([PY, "-c", _PARSE, *proc.argv[3:]], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"api_key": api, "admin_api_key": admin}
+    # The running server (the harness starts SGLang's app with the launcher's argv): its command line,
+    # as any user reads it, has no key, and the keys still guard it.
+    h = harness()
+    cmdline = Path(f"/proc/{h.proc.pid}/cmdline").read_bytes().decode(errors="replace")
+    assert "--config" in cmdline and API not in cmdline.split("\0") and ADMIN not in cmdline, cmdline
+    assert "--api-key" not in cmdline and "--admin-api-key" not in cmdline
+    for key, code in ((None, 401), (API, 200)):
+        req = urllib.request.Request(h.url + "/_recorder", headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        assert status == code, (key, status)
 
 
 @pytest.mark.parametrize("flattened", [True, False], ids=["flattened", "per_tensor"])

@@ -144,18 +144,64 @@ def test_layout_agrees_with_weight_pusher(monkeypatch):
     assert weight_update_group_layout(servers)[-1][1:] == (5, 7)
 
 
-def test_keys_metrics_memory_and_extra_args():
+def test_keys_metrics_memory_and_extra_args(tmp_path):
+    secrets = str(tmp_path / "sglang-secrets.yaml")
     (s,) = build("sglang:d1+fsdp:d1", None, api_key="u-key", admin_api_key="a-key", enable_metrics=False,
-                 mem_fraction_static=0.7, extra_args=["--context-length", "4096"])
+                 mem_fraction_static=0.7, extra_args=["--context-length", "4096"], secrets_file=secrets)
     argv = s.processes[0].argv
-    assert flag(argv, "--api-key") == "u-key" and flag(argv, "--admin-api-key") == "a-key"
+    assert flag(argv, "--config") == secrets
     assert "--enable-metrics" not in argv and flag(argv, "--mem-fraction-static") == "0.7"
     assert argv[-2:] == ("--context-length", "4096")
-    shown = s.processes[0].shell()
-    assert "u-key" not in shown and "a-key" not in shown and "--api-key '***'" in shown
+    assert redact_argv(["x", "--api-key", "k"]) == ["x", "--api-key", "***"]
     assert redact_argv(["x", "--admin-api-key"]) == ["x", "--admin-api-key"]  # no value to hide
     (s,) = build("sglang:d1+fsdp:d1", None)
     assert flag(s.processes[0].argv, "--api-key") is None and flag(s.processes[0].argv, "--admin-api-key") is None
+
+
+def test_keys_go_to_a_0600_config_file_not_argv(tmp_path):
+    """Issue 24 item 2: `ps` (/proc/<pid>/cmdline) shows argv to every local user, so neither key may be
+    in it; they go into the --config YAML file, mode 0600, keyed by SGLang's flag names."""
+    import os
+    import stat
+
+    import yaml
+
+    secrets = str(tmp_path / "sglang-secrets.yaml")
+    (s,) = build("sglang:d1+fsdp:d1", None, api_key="u-key-123", admin_api_key="0123", secrets_file=secrets)
+    (p,) = s.processes
+    joined = " ".join(p.argv)
+    assert "u-key-123" not in joined and "0123" not in joined, joined
+    assert "--api-key" not in p.argv and "--admin-api-key" not in p.argv
+    assert flag(p.argv, "--config") == secrets and "u-key-123" not in repr(p)
+    p.write_secrets()
+    assert stat.S_IMODE(os.stat(secrets).st_mode) == 0o600
+    # YAML reads back the same strings ("0123" stays text, not the number 83 or 123)
+    assert yaml.safe_load(open(secrets)) == {"api-key": "u-key-123", "admin-api-key": "0123"}
+    os.chmod(secrets, 0o644)  # a re-run: an existing file is truncated and made 0600 again
+    (s,) = build("sglang:d1+fsdp:d1", None, admin_api_key="other", secrets_file=secrets)
+    s.processes[0].write_secrets()
+    assert stat.S_IMODE(os.stat(secrets).st_mode) == 0o600
+    assert yaml.safe_load(open(secrets)) == {"admin-api-key": "other"}
+    (s,) = build("sglang:d1+fsdp:d1", None)  # no key: no file, no --config
+    assert flag(s.processes[0].argv, "--config") is None and s.processes[0].secrets_file is None
+
+
+def test_keys_with_a_user_config_or_key_flag_are_refused(tmp_path):
+    secrets = str(tmp_path / "s.yaml")
+    with pytest.raises(SGLangArgsError, match=r"already have --config mine.yaml.*server.admin_api_key"):
+        build("sglang:d1+fsdp:d1", None, admin_api_key="k", secrets_file=secrets, extra_args=["--config", "mine.yaml"])
+    with pytest.raises(SGLangArgsError, match=r"--api-key: keys never go on the command line.*server.api_key"):
+        build("sglang:d1+fsdp:d1", None, api_key="k", secrets_file=secrets, extra_args=["--api-key=k2"])
+    with pytest.raises(SGLangArgsError, match="server.admin_api_key starts with '-'"):
+        build("sglang:d1+fsdp:d1", None, admin_api_key="-abc", secrets_file=secrets)
+    with pytest.raises(SGLangArgsError, match="no secrets_file"):
+        build("sglang:d1+fsdp:d1", None, api_key="k")
+    with pytest.raises(SGLangArgsError, match="no --config"):
+        build("sglang:d1+fsdp:d1", None, api_key="k", secrets_file=secrets,
+              supported_flags={"--model-path", "--api-key", "--admin-api-key"})
+    # without a key, the user's own --config passes through untouched
+    (s,) = build("sglang:d1+fsdp:d1", None, extra_args=["--config", "mine.yaml"])
+    assert flag(s.processes[0].argv, "--config") == "mine.yaml"
 
 
 def test_explicit_seeds_must_differ():
@@ -189,7 +235,7 @@ def test_plan_errors_name_the_fix():
 
 def test_release_differences_by_supported_flags():
     old = {"--model-path", "--host", "--port", "--tp-size", "--api-key"}  # a 0.4.x-like release
-    (s,) = build("sglang:d1+fsdp:d1", None, supported_flags=old, api_key="k")
+    (s,) = build("sglang:d1+fsdp:d1", None, supported_flags=old)
     assert "--weight-version" not in s.processes[0].argv
     with pytest.raises(SGLangArgsError, match="--admin-api-key"):
         build("sglang:d1+fsdp:d1", None, supported_flags=old, admin_api_key="k")

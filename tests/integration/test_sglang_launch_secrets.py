@@ -1,0 +1,70 @@
+"""Issue 24 item 2 through `launcher run --allocation sglang.…`: the real SGLang (server.python = the
+conformance environment, 0.5.23) is started by the launcher with its keys only in a 0600 `--config`
+file in the run directory; its command line, which `ps` shows every local user, holds neither key.
+
+This machine has no GPU (and the conformance environment no torchvision), so the server exits after
+SGLang's parser has read its arguments and the run fails; what is checked is what any local user
+could read while it ran. tests/conformance checks that SGLang's parser takes the keys from the file.
+"""
+
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import launcher_cli
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = os.environ.get("AREAL_LIKE_SGLANG_CONFORMANCE_PYTHON", str(ROOT / ".venv-sglang-conformance" / "bin" / "python"))
+
+
+def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event) -> None:
+    """What `ps` shows: every sglang.launch_server command line, read from /proc while the run lasts."""
+    while not stop.is_set():
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and int(pid) not in seen:
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                if "sglang.launch_server" in cmd:
+                    seen[int(pid)] = cmd.replace("\0", " ")
+        stop.wait(0.02)
+
+
+def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_assets):
+    if not os.path.exists(PY):
+        pytest.fail(f"no SGLang conformance environment at {PY}: run scripts/setup.sh")
+    model, data = demo_assets
+    run_dir = tmp_path / "run"
+    seen: dict[int, str] = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop), daemon=True)
+    watcher.start()
+    try:
+        rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--allocation", "sglang.d1p1t1+d1p1t1",
+                               "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
+                               f"server.python={PY}", "server.api_key=user-key-0123456789", "train.total_steps=1",
+                               "metrics.prometheus=false", timeout=600)
+    finally:
+        stop.set()
+        watcher.join()
+    admin = json.loads((run_dir / "config.json").read_text())["server"]["admin_api_key"]
+    assert admin and admin != "***"
+    mine = {pid: cmd for pid, cmd in seen.items() if f"--model-path {model} " in cmd}
+    assert mine, f"no sglang.launch_server process of this run was seen (rc {rc}): {out[-2000:]}"
+    secrets = run_dir / "sglang-secrets.yaml"
+    for cmd in mine.values():
+        assert f"--config {secrets}" in cmd, cmd
+        assert admin not in cmd and "user-key-0123456789" not in cmd and "api-key" not in cmd, cmd
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    assert yaml.safe_load(secrets.read_text()) == {"api-key": "user-key-0123456789", "admin-api-key": admin}
+    # SGLang's own parser took the argv (a refused flag exits 2 with "unrecognized arguments")
+    log = (run_dir / "logs" / "server0.log").read_text(errors="replace")
+    assert "unrecognized arguments" not in log and "error: argument" not in log, log[-2000:]
+    assert admin not in out and "user-key-0123456789" not in out
