@@ -92,8 +92,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """`parse_args`, except that `key=value` overrides may stand anywhere among a sub-command's options
+    (`launcher run --run-dir X a=1 --config c.yaml b=2`): argparse takes only the first run of positionals
+    into `overrides` and calls the rest unrecognized. They are appended in command-line order (a later
+    override of the same key wins, as with the first run); anything else left over is still an error."""
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [a for a in extra if a.startswith("-") or "=" not in a]
+        if stray or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides = list(args.overrides or []) + extra
+    return args
+
+
 def _dispatch(argv: list[str] | None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = _parse(argv)
     if args.command == "plan":
         from launcher.plan import cmd_plan
 

@@ -80,3 +80,56 @@ def resolve_and_check(cfg: ExperimentConfig, log=lambda msg: None) -> None:
     if r.path is not None and not os.path.isfile(r.path):
         raise PreflightError(f"custom_reward_function.path={r.path} does not exist: point it at the .py file that "
                              f"defines {r.name}")
+
+
+def check_rollout_inputs(cfg: ExperimentConfig, log=lambda msg: None) -> None:
+    """What the rollout workers read from files, checked once before anything starts (issue 24): every
+    prompt cell of data.train_files / data.val_files (a null, empty or malformed prompt names the file
+    and the row), empty files, the tools YAML (rollout.tools_config, built as the worker builds it), and
+    every workflow the run can use — rollout.workflow and each row's `agent_name` — imported as the
+    worker imports them. Run after `resolve_and_check` (paths resolved, columns checked); raises
+    PreflightError. A failure here used to surface only in the rollout worker, after Redis, the servers
+    and the learner had started, and after the launcher restarted the worker in vain."""
+    from areal_like.data.dataset import check_prompt_cells
+
+    agents: dict[str, str] = {}  # agent_name → where it was first seen ("data.train_files[0]=x row 3")
+    for name, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for i, path in enumerate(files):
+            where = f"{name}[{i}]={path}"
+            try:
+                n, names = check_prompt_cells(path, prompt_key=cfg.data.prompt_key, where=where)
+            except ValueError as e:
+                raise PreflightError(str(e)) from None
+            if n == 0:
+                what = "validation" if name == "data.val_files" else "training"
+                raise PreflightError(f"{where} has no rows: an empty {what} file; add prompts to it, or drop it from "
+                                     f"{name}" + (" (data.val_files=[] runs no validation)"
+                                                  if name == "data.val_files" else ""))
+            for a, row in names.items():
+                agents.setdefault(a, f"{where} row {row}")
+    tools = None
+    if cfg.rollout.tools_config:
+        from areal_like.tools.config import load_tools
+
+        try:
+            tools = load_tools(cfg.rollout.tools_config)
+        except ValueError as e:
+            msg, head = str(e), f"tool config {cfg.rollout.tools_config}"
+            msg = msg[len(head):] if msg.startswith(head) else f": {msg}"  # ": tools[0] …" or " is not valid YAML"
+            raise PreflightError(f"rollout.tools_config={cfg.rollout.tools_config}{msg}") from None
+        log(f"rollout.tools_config={cfg.rollout.tools_config}: {', '.join(t.name for t in tools)}")
+    from areal_like.api.workflow import WorkflowLoadError
+    from areal_like.workflow import load_workflow
+    from areal_like.workflow.tool_agent import tool_agent
+
+    uses = [(cfg.rollout.workflow, "rollout.workflow")] + [(a, f"{w} agent_name") for a, w in agents.items()]
+    for name, where in uses:
+        try:
+            wf = load_workflow(name)
+        except WorkflowLoadError as e:
+            msg = str(e)
+            if not msg.startswith(f"{where}="):
+                msg = f"{where}={name!r}: {msg}"
+            raise PreflightError(msg) from None
+        if wf.obj is tool_agent and tools is None:
+            raise PreflightError(f"{where}={name!r} needs tools: set rollout.tools_config=path/to/tools.yaml")

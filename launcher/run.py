@@ -155,6 +155,8 @@ def cmd_run(args) -> int:
     try:
         cfg, alloc = _resolve(args)
         _, n_servers, _ = _check_runnable(cfg, alloc)
+        # every model/data/tools/workflow file checked before the run dir is created or anything starts
+        _preflight(cfg)
     except RunError as e:
         print(f"launcher run: {e}", file=sys.stderr)
         return 2
@@ -169,6 +171,21 @@ def cmd_run(args) -> int:
         return 2
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     return Run(cfg, alloc, run_dir, n_servers).execute()
+
+
+def _preflight(cfg) -> None:
+    """Demo names → cache paths (in `cfg`), then every file the run reads checked — model and data paths,
+    every prompt cell and agent_name of the data files, empty files, rollout.tools_config, the workflows —
+    before the run dir is created or anything starts (launcher/preflight.py); RunError naming the key,
+    the file and the row."""
+    from launcher.preflight import PreflightError, check_rollout_inputs, resolve_and_check
+
+    log = lambda msg: print(f"[launcher] {msg}", flush=True)  # noqa: E731
+    try:
+        resolve_and_check(cfg, log=log)
+        check_rollout_inputs(cfg, log=log)
+    except PreflightError as e:
+        raise RunError(str(e)) from None
 
 
 RUN_LOCK = ".lock"
@@ -233,15 +250,6 @@ class Run:
         self._restarts: list[dict] = []
 
     # ---- phases -------------------------------------------------------------------------------
-    def _prepare_assets(self) -> None:
-        """Demo names → cache paths; every model/data path checked before anything starts."""
-        from launcher.preflight import PreflightError, resolve_and_check
-
-        try:
-            resolve_and_check(self.cfg, log=lambda msg: print(f"[launcher] {msg}", flush=True))
-        except PreflightError as e:
-            raise RunError(str(e)) from None
-
     @property
     def plan(self):
         return self.procs.plan
@@ -449,13 +457,14 @@ class Run:
         t0 = self._t0 = time.monotonic()
         rc = 1
         self._rows_before = len(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))  # a resumed run appends
+        self._trained_log_before = _file_size(os.path.join(self.run_dir, "trained.jsonl"))  # see _learner_started
         prev_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self._prepare_assets()
             if self.cfg.launcher.backend == "ray":
                 self._place_on_ray()
             if not self.cfg.server.admin_api_key:  # only the learner (it reads config.json) may update weights
-                self.cfg.server.admin_api_key = secrets.token_urlsafe(32)
+                # hex: a urlsafe key starting with "-" (1 in 64) is no value to SGLang's argument parser
+                self.cfg.server.admin_api_key = secrets.token_hex(32)
             # server.dtype=auto resolved once: the servers load in it and the learner's pushes cast to it
             self.cfg.server.dtype = self.cfg.resolved_server_dtype(sglang=self.alloc.generation.backend == "sglang")
             # rollout.max_concurrent_groups=null: scaled to the servers' capacity, written into config.json
@@ -516,17 +525,39 @@ class Run:
             summary["restarts"] = list(self._restarts)
             summary["restart_counts"] = {kind: self._restart_count(kind) for kind in RESTART_KINDS}
             summary["generation"] = generation
-            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            # A start that failed before its learner resumed (preflight, an unusable checkpoint, …) must not
+            # replace the previous launch's summary.json and report (issue 24): it trained nothing, and the
+            # run dir's files keep describing the run they came from. Its own summary goes beside them.
+            summary_path = os.path.join(self.run_dir, "summary.json")
+            keep_previous = os.path.exists(summary_path) and not self._learner_started()
+            if keep_previous:
+                summary_path = os.path.join(self.run_dir, FAILED_START_SUMMARY)
+            with open(summary_path, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"[launcher] {summary['exit_reason']}: {json.dumps(summary)}", flush=True)
-            try:  # plots of the run, finished or cut off (`launcher report` makes it again at any time)
-                from areal_like.metrics.report import write_report
+            if keep_previous:
+                print(f"[launcher] this start failed before the learner resumed: the previous summary.json and "
+                      f"report of {self.run_dir} are kept unchanged; this attempt's summary: {summary_path}",
+                      file=sys.stderr, flush=True)
+            else:
+                try:  # plots of the run, finished or cut off (`launcher report` makes it again at any time)
+                    from areal_like.metrics.report import write_report
 
-                print(f"[launcher] report: {write_report(self.run_dir)}", flush=True)
-            except Exception as e:  # noqa: BLE001 — a report must not change the run's exit code
-                print(f"[launcher] report not written: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    print(f"[launcher] report: {write_report(self.run_dir)}", flush=True)
+                except Exception as e:  # noqa: BLE001 — a report must not change the run's exit code
+                    print(f"[launcher] report not written: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             print(f"[launcher] run directory: {self.run_dir}", flush=True)
         return rc
+
+    def _learner_started(self) -> bool:
+        """Whether a learner of this launch got past its resume (checkpoint loaded, buffer recovered): it
+        then appends a `start` event to trained.jsonl."""
+        try:
+            with open(os.path.join(self.run_dir, "trained.jsonl"), "rb") as f:
+                f.seek(self._trained_log_before)
+                return any(b'"event":"start"' in ln.replace(b" ", b"") for ln in f)
+        except OSError:
+            return False
 
     def _start_learners(self, incarnation: int) -> None:
         """The learner pool: WORLD_SIZE ranks with the usual torch.distributed environment."""
@@ -585,8 +616,11 @@ class Run:
             print(f"[launcher] could not count the restart in Redis: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _status_tail(self) -> str:
-        """The progress line's end: reward failures and restarts so far (empty while there are none)."""
+        """The progress line's end: reward and workflow failures and restarts so far (empty while there are none)."""
         tail = _reward_failures_text(self._reward_failures)
+        wf = {k: n for k, n in (self._buffer_stats.get("workflow_failures") or {}).items() if n}
+        if wf:
+            tail += "  workflow failures: " + ", ".join(f"{k} {n}" for k, n in wf.items())
         if self._restarts:
             tail += "  restarts: " + ", ".join(f"{k} {self._restart_count(k)}" for k in RESTART_KINDS
                                              if self._restart_count(k))
@@ -658,10 +692,15 @@ class Run:
                 return _IGNORED  # a non-zero rank finished with rank 0; rank 0's exit ends the run
             if rc == 0:
                 return 0
-        from areal_like.rollout.worker import EXIT_REWARD_FAILURES
+        from areal_like.rollout.worker import EXIT_BAD_DATA, EXIT_REWARD_FAILURES, EXIT_WORKFLOW_FAILURES
 
-        if kind == "rollout" and rc == EXIT_REWARD_FAILURES:  # restarting would fail the same way
+        if kind == "rollout" and rc == EXIT_BAD_DATA:  # its data files cannot be used: a restart reads the same
+            self._stop_reason = f"{role.name} stopped: its data files cannot be used (data.train_files / data.val_files)"
+        elif kind == "rollout" and rc == EXIT_REWARD_FAILURES:  # restarting would fail the same way
             self._stop_reason = f"{role.name} stopped: too many reward failures"
+        elif kind == "rollout" and rc == EXIT_WORKFLOW_FAILURES:  # likewise (rollout.max_failure_fraction)
+            self._stop_reason = (f"{role.name} stopped: too many groups failed in workflow {self.cfg.rollout.workflow} "
+                                 f"(rollout.max_failure_fraction)")
         elif self._restart_count(kind) < self._budget(kind):
             {"learner": self._restart_learners, "server": self._restart_server, "rollout": self._restart_rollout}[kind](role)
             return None
@@ -721,7 +760,8 @@ class Run:
             st = self._view().stats()
             self._buffer_stats = {k: st[k] for k in ("added", "duplicates", "dropped", "stale_kept", "lost_in_flight",
                                                      "lost_after_restart", "depth", "pending",
-                                                     "agent_completions_refused") if k in st}
+                                                     "agent_completions_refused", "workflow_failures",
+                                                     "dropped_in_flight_at_stop") if k in st}
             self._reward_failures.update(st.get("reward_failures", {}))
             self._show_first_reward_failures()
             return str(st["depth"])
@@ -822,6 +862,8 @@ class Run:
         # Rollouts first (no new work), then the learner (it checkpoints and commits), servers, Redis.
         for role in [r for r in self.procs.roles if r.name.startswith("rollout")]:
             self.procs.stop(role, timeout_s=15.0)
+        # What the stopped workers counted last (groups dropped in flight, workflow failures) → summary.json
+        self._final_reward_failures()
         # Rank 0 first: it tells the other ranks to stop (they would wait for it otherwise), then all
         # ranks checkpoint together; the other ranks normally exit on their own meanwhile.
         ranks = sorted((r for r in self.procs.roles if r.name.startswith("learner")), key=lambda r: r.name != "learner")
@@ -846,6 +888,16 @@ class Run:
 
 
 RESTART_KINDS = ("learner", "server", "rollout", "redis")
+FAILED_START_SUMMARY = "summary.failed_start.json"  # a failed start's summary when summary.json exists
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 _IGNORED = object()  # `_on_death`: nothing to do
 
 

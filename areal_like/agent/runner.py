@@ -21,6 +21,7 @@ from typing import Any
 
 from areal_like.agent.proxy import AgentProxy, session_trajectories
 from areal_like.api.trajectory import Trajectory
+from areal_like.api.workflow import WorkflowResultError
 
 AGENT_MODEL = "areal_like"
 """The `model` name agents are given (the proxy serves any name; this one is listed by /v1/models)."""
@@ -48,9 +49,12 @@ async def run_agent_group(ctx, agent, proxy: AgentProxy, *, export_style: str = 
                 data["prompt"] = row.raw_prompt
             reward = await agent.run(data, base_url=proxy.base_url, api_key=session.api_key, model=AGENT_MODEL,
                                      tools=ctx.tools, max_turns=ctx.multi_turn.max_assistant_turns, score=score)
-            trajs = session_trajectories(session, group_id=ctx.group_id, prompt_id=row.prompt_id,
-                                         data_source=row.data_source, index=i, reward=reward,
-                                         export_style=export_style, turn_discount=turn_discount)
+            try:
+                trajs = session_trajectories(session, group_id=ctx.group_id, prompt_id=row.prompt_id,
+                                             data_source=row.data_source, index=i, reward=reward,
+                                             export_style=export_style, turn_discount=turn_discount)
+            except (TypeError, ValueError) as e:  # e.g. a reward "1.0": the rollout worker counts `bad_result`
+                raise WorkflowResultError(f"agent {type(agent).__name__} returned {reward!r} for sample {i}: {e}") from None
             info = ctx.info
             info["agent_completions"] = info.get("agent_completions", 0) + len(session.completions)
             if session.refused:  # past rollout.multi_turn.max_completions_per_episode (proxy module doc)

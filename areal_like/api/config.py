@@ -139,6 +139,21 @@ class RolloutConfig(_Section):
     (`request_retries`); the error names the server."""
     request_retries: int = 2
     """Times a timed-out generation request is sent again before its group fails (and its prompt is retried)."""
+    episode_timeout_s: float | None = 10800.0
+    """Seconds one group (one prompt's episode: the workflow's whole `run_group`, every sample, turn, tool
+    call and reward) may take; then it is cancelled, its slot freed, its prompt dropped (not retried), and it counts
+    as a workflow failure of kind `timeout` (summary.json `buffer.workflow_failures.timeout`; the first is
+    logged with the workflow and the prompt id). The default, 3 h, is (1 + request_retries) × request_timeout_s
+    at their defaults: an episode that outlives every retry of one request is stuck. None = no limit."""
+    max_failure_fraction: float = 0.5
+    """A rollout worker stops the run (exit code 4, naming the workflow, the failure kind and the first
+    traceback) when more than this fraction of its last `failure_window` groups failed in the workflow —
+    raised (`exception`), ran past `episode_timeout_s` (`timeout`) or returned something that is not a group,
+    e.g. a reward "1.0" (`bad_result`). Counted by kind in summary.json `buffer.workflow_failures`. Groups
+    failed by the generation servers (`generation`: the launcher restarts those) are counted but do not
+    count against it. 1 = never stop."""
+    failure_window: int = 64
+    """Finished groups over which `max_failure_fraction` is measured (per rollout worker)."""
     workflow: str = "rlvr"
     """Workflow that turns one prompt into a group: a built-in by name — `rlvr` (single-turn RLVR),
     `multi_turn` (chat turns with feedback, no tools), `tool_agent` (multi-turn with tools from
@@ -285,10 +300,17 @@ class TrainConfig(_Section):
     """Checkpoint every this many steps (0 = never)."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; None = `<run dir>/checkpoints`."""
-    resume_mode: str = "auto"
-    """`auto` (latest checkpoint in checkpoint_dir, if any), `disable`, or a checkpoint directory path."""
+    resume_mode: str | int = "auto"
+    """`auto` (latest checkpoint in checkpoint_dir, if any), `disable`, a step number (`90`: step_00000090
+    of checkpoint_dir), or a checkpoint directory path. Every checkpoint is verified (sizes, sha256)
+    before use; `auto` falls back past an unusable one (renamed `step_*.corrupt`) to the previous one.
+    An older step than the buffer committed (explicit, `disable` or that fallback) is a rollback: the
+    buffer's committed step rewinds, the undone steps' groups are not trained again, and the newer
+    checkpoints are set aside as `step_*.rolled_back`. Applies to a launch's first learner start; a
+    restarted learner pool resumes its latest checkpoint."""
     keep_checkpoints: int = 2
-    """Newest checkpoints kept on disk (older ones are deleted after a successful save)."""
+    """Newest checkpoints kept on disk (older ones are deleted after a successful save); ≥ 2 leaves a
+    previous one to fall back to when the newest is unusable."""
     export_hf: bool = False
     """Also write an HF-format model dir (`hf/`) inside each checkpoint."""
     collective_timeout_s: float = 300.0
@@ -678,6 +700,15 @@ class ExperimentConfig(_Section):
         if self.rollout.request_timeout_s <= 0:
             raise ConfigError(f"rollout.request_timeout_s={self.rollout.request_timeout_s}: use a positive number "
                               f"of seconds")
+        ro = self.rollout
+        if ro.episode_timeout_s is not None and ro.episode_timeout_s <= 0:
+            raise ConfigError(f"rollout.episode_timeout_s={ro.episode_timeout_s}: use a positive number of seconds, "
+                              f"or null (no limit)")
+        if not 0.0 <= ro.max_failure_fraction <= 1.0:
+            raise ConfigError(f"rollout.max_failure_fraction={ro.max_failure_fraction}: use a fraction in [0, 1] "
+                              f"(1 = never stop)")
+        if ro.failure_window < 1:
+            raise ConfigError(f"rollout.failure_window={ro.failure_window}: use ≥ 1")
         wf = self.rollout.workflow
         if ":" in wf:
             path = wf.rsplit(":", 1)[0]

@@ -82,6 +82,12 @@ class WorkflowLoadError(ValueError):
     """`rollout.workflow` (or a row's `agent_name`) names something that cannot be used; says how to fix it."""
 
 
+class WorkflowResultError(ValueError):
+    """A workflow (or agent) returned something that is not a group: not a list of Trajectory, a reward
+    that is not a finite number (e.g. the string "1.0"), a foreign group id. The rollout worker counts it
+    as a workflow failure of kind `bad_result` (`rollout.max_failure_fraction`)."""
+
+
 def sample_seed(base_seed: int, group_id: str, index: int) -> int:
     """Per-sample sampling seed, stable across processes (Python's hash() is salted per process).
 

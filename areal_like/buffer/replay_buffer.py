@@ -36,6 +36,11 @@ Exactly once across learner crashes (DESIGN invariant 4) — the protocol the le
              redo = buf.recover(consumer, ckpt.uncommitted if ckpt else [], ckpt.step if ckpt else 0)
                1. commit(ckpt.uncommitted, ckpt.step)   — idempotent; finishes a commit the crash cut off
                2. raises CheckpointBehindBuffer if the buffer committed a step newer than the checkpoint
+                  — unless the learner rolls back on purpose (recover(rollback=…): an explicit older
+                  train.resume_mode, or the fallback past an unusable newest checkpoint): then the
+                  committed step and version rewind to the checkpoint's and the gate is credited the
+                  undone steps' capacity (staleness.ROLLBACK); the undone steps' groups stay trained
+                  (acked, deleted, in {p}:trained): never trained twice, absent from the model
                3. returns this consumer's still-pending entries (read, trained into a model state that
                   was never checkpointed) minus already-trained ones: train these first, in order
     step k:  entries = redo[:B] or buf.read(B)    → keep, _ = buf.filter_stale(entries, v, limit, policy)
@@ -564,7 +569,8 @@ class ReplayBuffer:
         BUFFER_RECLAIMED.inc(len(out))
         return out
 
-    def _g_recover(self, consumer: str, uncommitted: Sequence[tuple[str, str]], step: int) -> OpGen:
+    def _g_recover(self, consumer: str, uncommitted: Sequence[tuple[str, str]], step: int,
+                   rollback: tuple[int, int] | None = None) -> OpGen:
         yield from self._g_ensure_group()
         if uncommitted:
             yield from self._g_commit(uncommitted, step, consumer, recommit=False)
@@ -572,11 +578,21 @@ class ReplayBuffer:
         committed = yield Call.one(f"read committed step of {consumer}", k.committed(consumer),
                                    Cmd("get", (k.committed(consumer),)), idempotent=True)
         if committed is not None and int(committed) > step:
-            raise CheckpointBehindBuffer(
-                f"redis {self.endpoint.name} key {k.committed(consumer)}: the buffer committed step {int(committed)} "
-                f"but the checkpoint being resumed is step {step}: groups of steps {step + 1}..{int(committed)} were "
-                f"acked and are not in this model; resume from the newest checkpoint"
-            )
+            if rollback is None:
+                raise CheckpointBehindBuffer(
+                    f"redis {self.endpoint.name} key {k.committed(consumer)}: the buffer committed step "
+                    f"{int(committed)} but the checkpoint being resumed is step {step}: groups of steps "
+                    f"{step + 1}..{int(committed)} were acked and are not in this model; resume from the newest "
+                    f"checkpoint, or roll back on purpose with train.resume_mode={step}")
+            version, batch_size = rollback
+            found, credit = yield Call.one(
+                f"roll back {consumer} to step {step}", k.committed(consumer),
+                Cmd.lua(stale_policy.ROLLBACK, [k.committed(consumer), k.version, k.counters],
+                        [int(step), int(version), int(batch_size)]), idempotent=True)
+            if int(found) > step:
+                log.warning("rolled back from committed step %d to step %d (version %d): the groups of steps "
+                            "%d..%d are not in the model and not trained again; gate credit +%d",
+                            int(found), step, version, step + 1, int(found), int(credit))
         seen = self.endpoint.restarts
         raw = yield from self._g_own_pending(consumer)
         self._restarts_seen[consumer] = seen
@@ -610,6 +626,9 @@ class ReplayBuffer:
             "restarts": {f[len("restarts:"):]: v for f, v in counters.items() if f.startswith("restarts:")},
             "reward_failures": {kind: counters.get(f"reward_failures:{kind}", 0) for kind in scripts.REWARD_FAILURE_KINDS},
             "agent_completions_refused": counters.get("agent_completions_refused", 0),
+            "workflow_failures": {kind: counters.get(f"workflow_failures:{kind}", 0)
+                                  for kind in scripts.WORKFLOW_FAILURE_KINDS},
+            "dropped_in_flight_at_stop": counters.get("dropped_in_flight_at_stop", 0),
             "depth": int(xlen) - int(pending),
             "pending": int(pending),
             "oldest_age_s": age,
@@ -657,6 +676,11 @@ class ReplayBuffer:
     def _g_count_agent_refusals(self, n: int) -> OpGen:
         yield Call.one(f"count {n} refused agent completion(s)", self.keys.counters,
                        Cmd("hincrby", (self.keys.counters, "agent_completions_refused", int(n))), idempotent=False)
+
+    def _g_count(self, counts: dict[str, int]) -> OpGen:
+        cmds = tuple(Cmd("hincrby", (self.keys.counters, f, int(n))) for f, n in counts.items() if n)
+        if cmds:
+            yield Call(f"count {counts}", self.keys.counters, cmds, idempotent=False)
 
     def _g_count_restart(self, kind: str) -> OpGen:
         field = f"restarts:{kind}"
@@ -730,12 +754,14 @@ class ReplayBuffer:
         return self.endpoint.run(self._g_commit(list(pairs), step, consumer, recommit=False))
 
     def recover(self, consumer: str = "learner-0", uncommitted: Sequence[tuple[str, str]] = (),
-                step: int = 0) -> list[Entry]:
+                step: int = 0, rollback: tuple[int, int] | None = None) -> list[Entry]:
         """Call once when the learner starts, before the first read, with what its checkpoint holds:
         commits `uncommitted` (idempotent), checks the buffer is not ahead of the checkpoint
         (CheckpointBehindBuffer), and returns the entries still pending for `consumer` that were
-        not trained — to be trained first, in stream order."""
-        return self.endpoint.run(self._g_recover(consumer, list(uncommitted), step))
+        not trained — to be trained first, in stream order. `rollback=(version, batch_size)`: the
+        learner resumes an older checkpoint on purpose — a buffer ahead of it is rewound to `step`
+        and `version` (staleness.ROLLBACK) instead of refused."""
+        return self.endpoint.run(self._g_recover(consumer, list(uncommitted), step, rollback))
 
     def drop(self, entry_ids: Sequence[str], reason: str) -> int:
         """Acknowledge and delete entries that will not be trained, counted as dropped:<reason>."""
@@ -771,6 +797,8 @@ class ReplayBuffer:
     def stats(self) -> dict[str, Any]:
         """added, duplicates, consumed, acked, reclaimed, dropped {reason: n}, stale_kept,
         readded/lost/recommitted_after_restart, lost_in_flight (groups of dead rollout workers),
+        agent_completions_refused, workflow_failures {kind: n}, dropped_in_flight_at_stop (groups
+        cancelled when their rollout worker was stopped),
         restarts {kind: n} (roles the launcher restarted), depth, pending, oldest_age_s (oldest undelivered
         group, by the Redis clock), version, running. Also sets the depth/pending/age gauges."""
         return self.endpoint.run(self._g_stats())
@@ -853,6 +881,19 @@ class ReplayBuffer:
         """counters `agent_completions_refused` += n: agent completion requests the proxy refused past
         rollout.multi_turn.max_completions_per_episode (stats(), summary.json `buffer`). Not retried."""
         await self.endpoint.arun(self._g_count_agent_refusals(n))
+
+    async def count_workflow_failures_async(self, counts: dict[str, int]) -> None:
+        """counters `workflow_failures:<kind>` += n ({kind: n}, kinds of scripts.WORKFLOW_FAILURE_KINDS):
+        groups whose workflow failed (stats(), summary.json `buffer.workflow_failures`). Not retried."""
+        unknown = set(counts) - set(scripts.WORKFLOW_FAILURE_KINDS)
+        if unknown:
+            raise ValueError(f"unknown workflow failure kind(s) {sorted(unknown)}")
+        await self.endpoint.arun(self._g_count({f"workflow_failures:{k}": n for k, n in counts.items()}))
+
+    async def count_dropped_at_stop_async(self, n: int) -> None:
+        """counters `dropped_in_flight_at_stop` += n: groups a rollout worker was generating when it was
+        stopped (cancelled; their prompts not trained). stats(), summary.json `buffer`. Not retried."""
+        await self.endpoint.arun(self._g_count({"dropped_in_flight_at_stop": n}))
 
     async def reward_failures_async(self) -> dict[str, int]:
         return await self.endpoint.arun(self._g_reward_failures(first=False))

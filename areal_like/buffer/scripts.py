@@ -14,6 +14,9 @@ script may touch all of them atomically:
                            gate_credit (groups dropped as `stale` or `filtered` and replaced by the learner),
                            reward_failures:<kind> (reward calls that failed, by REWARD_FAILURE_KINDS;
                            rollout workers add to them, the launcher and the learner read them)
+                           workflow_failures:<kind> (groups whose workflow failed, by
+                           WORKFLOW_FAILURE_KINDS), dropped_in_flight_at_stop (groups a rollout worker
+                           was generating when it was stopped: cancelled, their prompts not trained)
     {p}:running    ZSET    gate slots held by groups being generated; member = slot id (the group
                            id the worker will produce), score = acquire time (ms, Redis clock)
     {p}:gid:<id>   STRING  idempotency marker of an accepted group (value = its entry id; TTL)
@@ -75,6 +78,12 @@ class Keys:
 # took longer than custom_reward_function.timeout_s (or waited that long for a free worker), returned
 # NaN/±inf, returned something that is not a number (a string, None, a dict without "score").
 REWARD_FAILURE_KINDS: tuple[str, ...] = ("exception", "timeout", "non_finite", "not_a_number")
+
+# Kinds of workflow failure (the group is not made; its prompt is retried later): the workflow raised,
+# ran past rollout.episode_timeout_s, returned something that is not a group (bad_result: e.g. a
+# reward "1.0"), or a generation request failed for good (generation: the servers' fault, not counted
+# against rollout.max_failure_fraction).
+WORKFLOW_FAILURE_KINDS: tuple[str, ...] = ("exception", "timeout", "bad_result", "generation")
 
 
 # Undelivered depth = XLEN − PEL size: acked entries are XDEL'd, so the stream holds exactly the

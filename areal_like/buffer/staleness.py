@@ -272,6 +272,29 @@ end
 return n
 """)
 
+# KEYS: committed-key, version, counters   ARGV: step, version, batch_size
+# A deliberate rollback of the learner (issue 24: resuming a checkpoint older than the buffer's
+# committed step — an explicit train.resume_mode step, or the fallback past an unusable newest
+# checkpoint): the committed step goes back to the checkpoint's, the policy version to its version,
+# and the gate gets back the capacity of the versions undone, (v_redis − version)·B as gate_credit —
+# the learner trains those steps again from groups not generated yet, so without it a rollback
+# by more than η steps would close the gate for good. The groups the undone steps trained stay in
+# {p}:trained (acked and deleted: they are not trained twice, they are not in the model either).
+# Idempotent: a retry finds the committed step already ≤ step and changes nothing.
+# Returns {the committed step found, the credit granted}.
+ROLLBACK = LuaScript("rollback", """
+local c = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local step = tonumber(ARGV[1])
+if c <= step then return {c, 0} end
+local v = tonumber(redis.call('GET', KEYS[2]) or '0')
+local credit = math.max(0, v - tonumber(ARGV[2])) * tonumber(ARGV[3])
+redis.call('SET', KEYS[1], step)
+redis.call('SET', KEYS[2], ARGV[2])
+if credit > 0 then redis.call('HINCRBY', KEYS[3], 'gate_credit', credit) end
+redis.call('HINCRBY', KEYS[3], 'rolled_back_steps', c - step)
+return {c, credit}
+""")
+
 # ---- Lua: the gate's slots (the IN FLIGHT state) ---------------------------------------------------
 # KEYS: running, trained   ARGV: prefix, slot ids — after a Redis restart the gate re-asserts the
 # slots this worker still holds: a slot whose ZADD was lost is added back, unless its group was

@@ -36,6 +36,61 @@ def _to_chat(raw: Any) -> list[dict[str, str]] | None:
     return None
 
 
+def prompt_cell_problem(raw: Any, prompt_key: str = "prompt") -> str | None:
+    """What is wrong with one prompt cell (None when it is usable): a non-empty str, or a non-empty chat
+    list of {role: str, content: str} messages. The same rule for `launcher run`'s preflight and the
+    rollout worker, so a file the preflight passed never fails in the worker."""
+    if raw is None:
+        return f"column {prompt_key!r} is null"
+    if isinstance(raw, str):
+        return None if raw else f"column {prompt_key!r} is an empty string"
+    if not isinstance(raw, (list, tuple)):
+        return f"column {prompt_key!r} holds {type(raw).__name__}, want a str or a list of {{role, content}}"
+    if not raw:
+        return f"column {prompt_key!r} is an empty chat list"
+    for j, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m.get("role"):
+            return f"column {prompt_key!r} message {j} has no role (want {{role: str, content: str}}, got {m!r:.80})"
+        if not isinstance(m.get("content"), str):
+            return (f"column {prompt_key!r} message {j} ({m['role']}) has content "
+                    f"{type(m.get('content')).__name__}, want a str")
+    return None
+
+
+def check_prompt_cells(path: str, *, prompt_key: str = "prompt",
+                       where: str | None = None) -> tuple[int, dict[str, int]]:
+    """Read only the prompt column (and the rows' `agent_name`, column or `extra_info.agent_name`) of a
+    verl parquet file and check every prompt cell; ValueError naming `where` and the row otherwise.
+    Returns (row count, {agent_name: first row using it})."""
+    import pyarrow.parquet as pq
+
+    where = where or path
+    meta = pq.ParquetFile(path)
+    names = set(meta.schema_arrow.names)
+    cols = [prompt_key] + [c for c in ("agent_name", "extra_info") if c in names and c != prompt_key]
+    if "extra_info" in cols:
+        import pyarrow as pa
+
+        t = meta.schema_arrow.field("extra_info").type
+        if not (pa.types.is_struct(t) and t.get_field_index("agent_name") >= 0):
+            cols.remove("extra_info")  # read extra_info only for its agent_name
+    table = pq.read_table(path, columns=cols)
+    for i, raw in enumerate(table.column(prompt_key).to_pylist()):
+        problem = prompt_cell_problem(raw, prompt_key)
+        if problem:
+            raise ValueError(f"{where} row {i}: {problem}: fix the row (or drop it), or point data.prompt_key at "
+                             "the column holding the prompt")
+    agents: dict[str, int] = {}
+    own = table.column("agent_name").to_pylist() if "agent_name" in cols else [None] * table.num_rows
+    extra = ([(e or {}).get("agent_name") for e in table.column("extra_info").to_pylist()]
+             if "extra_info" in cols else [None] * table.num_rows)
+    for i, (a, b) in enumerate(zip(own, extra)):
+        name = a or b  # PromptRecord.agent_name's rule
+        if name and str(name) not in agents:
+            agents[str(name)] = i
+    return table.num_rows, agents
+
+
 def check_verl_parquet(path: str, *, prompt_key: str = "prompt", where: str | None = None) -> int:
     """Check a verl parquet file from its footer alone (no rows read): it exists, is parquet, and has
     the prompt column and `reward_model` with a `ground_truth` field. Returns the row count.
@@ -105,25 +160,29 @@ class PromptDataset:
     """All prompts of the given parquet files, tokenized once at load time (small datasets by design)."""
 
     def __init__(self, files: list[str], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int = 256,
-                 apply_chat_template: bool = False):
+                 apply_chat_template: bool = False, key: str = "data.train_files"):
+        """`key` names the config key of `files` in error messages (data.train_files / data.val_files)."""
         if not files:
-            raise ValueError("data.train_files is empty: set data.train_files=[path/to/train.parquet]")
+            raise ValueError(f"{key} is empty: set {key}=[path/to/file.parquet]")
         self.records: list[PromptRecord] = []
         self.num_dropped = 0
+        num_rows = 0
         for fi, path in enumerate(files):
-            where = f"data.train_files[{fi}]={path}"
+            where = f"{key}[{fi}]={path}"
             stem = _stem(path)
             for row_idx, row in enumerate(read_verl_parquet(path, prompt_key=prompt_key, where=where)):
+                num_rows += 1
                 raw = row["prompt"]
+                problem = prompt_cell_problem(raw, prompt_key)
+                if problem:
+                    raise ValueError(f"{where} row {row_idx}: {problem}: fix the row (or drop it), or point "
+                                     "data.prompt_key at the column holding the prompt")
                 chat = _to_chat(raw)
                 if chat is not None:
                     ids = _chat_ids(tokenizer, chat)
-                elif isinstance(raw, str):
+                else:
                     ids = (_chat_ids(tokenizer, [{"role": "user", "content": raw}]) if apply_chat_template
                            else list(tokenizer.encode(raw, add_special_tokens=False)))
-                else:
-                    raise ValueError(f"{where} row {row_idx}: column {prompt_key!r} holds {type(raw).__name__}, "
-                                     f"want a str or a list of {{role, content}}: fix the file or data.prompt_key")
                 if len(ids) > max_prompt_length:
                     self.num_dropped += 1
                     continue
@@ -135,9 +194,12 @@ class PromptDataset:
         if self.num_dropped:
             logger.warning("dropped %d prompts longer than data.max_prompt_length=%d tokens (kept %d)",
                            self.num_dropped, max_prompt_length, len(self.records))
+        if not num_rows:
+            raise ValueError(f"{key}={list(files)} have no rows: add prompts to the file(s) or point {key} at "
+                             "other files")
         if not self.records:
-            raise ValueError(f"no prompts left from {files} (dropped {self.num_dropped} longer than "
-                             f"{max_prompt_length} tokens): raise data.max_prompt_length")
+            raise ValueError(f"no prompts left from {key}={list(files)}: all {self.num_dropped} are longer than "
+                             f"data.max_prompt_length={max_prompt_length} tokens: raise data.max_prompt_length")
 
     def __len__(self) -> int:
         return len(self.records)

@@ -5,14 +5,25 @@
         critic.safetensors                the critic (adv_estimator=gae), full, HF names + value head
         rank00000.pt …                    per rank: optimizer state of its shards (actor, critic),
                                           RNG, counters (tensors and plain values: weights_only-loadable)
-        meta.json                         format, layout, counters, policy version, `extra` — written
+        meta.json                         format, layout, counters, policy version, `extra`, and `files`:
+                                          size and sha256 of every file above (the manifest) — written
                                           last: a directory without it is never a checkpoint
         hf/                               with train.export_hf: a complete HF model dir of the actor
     <checkpoint_dir>/latest             names the newest complete checkpoint; replaced atomically after it
 
 `resume_mode`: "auto" resumes from `latest` if there is one (a fresh run otherwise), "disable" never
-resumes, anything else is a checkpoint directory that must exist. `extra` carries what the trainer
-does not own — the buffer's uncommitted entries, the policy version — as JSON.
+resumes, a step number (`90`) or a `step_*` name is that checkpoint of checkpoint_dir, anything else
+is a checkpoint directory that must exist. `extra` carries what the trainer does not own — the
+buffer's uncommitted entries, the policy version — as JSON.
+
+Verified before use (issue 24): every file is checked against meta.json's manifest (size, sha256)
+before anything is loaded. Under "auto" a checkpoint that fails is set aside (renamed
+`step_*.corrupt`, kept for inspection) with a message naming it and what is wrong, and the previous
+one is tried; none usable is an error naming the directory and how to start over. Resuming from a
+checkpoint older than the buffer's committed step (that fallback, or an explicit older step) is a
+rollback: `CheckpointManager.rollback` tells the learner to rewind the buffer's commit marker
+(ReplayBuffer.recover(rollback=…)), and newer checkpoints are set aside (`step_*.rolled_back`) so
+that pruning and later resumes see one history.
 
 Every function here is collective for a multi-rank pool: call it on every rank. The directory must
 be on a filesystem every rank sees (one node, or shared storage). The frozen reference model is not
@@ -21,6 +32,7 @@ saved: it is reloaded from `ref.path`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -28,6 +40,7 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from areal_like.api.config import TrainConfig
 
@@ -37,15 +50,103 @@ MODEL_FILE = "model.safetensors"
 CRITIC_FILE = "critic.safetensors"
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint can be resumed: the message names the directory, what is wrong and the fix."""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_DIGEST_SUFFIX = ".sha256"
+_RANK_FILE = re.compile(r"^rank\d{5}\.pt$")
+
+
+def _write_digest(path: str) -> None:
+    """Each rank hashes the file it just wrote (page cache hot, all ranks at once) into a sidecar that
+    `_manifest` folds into meta.json: rank 0 never reads the other ranks' optimizer state back."""
+    with open(path + _DIGEST_SUFFIX, "w") as f:
+        f.write(_sha256(path))
+
+
+def _manifest(tmp: str) -> dict[str, list]:
+    """{file name: [size, sha256]} of every plain file of a checkpoint being published (meta.json aside);
+    a file's sidecar digest (`_write_digest`) is used, then removed."""
+    out: dict[str, list] = {}
+    for name in sorted(os.listdir(tmp)):
+        full = os.path.join(tmp, name)
+        if name == META_FILE or name.endswith(_DIGEST_SUFFIX) or not os.path.isfile(full):
+            continue
+        if os.path.isfile(full + _DIGEST_SUFFIX):
+            with open(full + _DIGEST_SUFFIX) as f:
+                digest = f.read().strip()
+            os.remove(full + _DIGEST_SUFFIX)
+        else:
+            digest = _sha256(full)
+        out[name] = [os.path.getsize(full), digest]
+    return out
+
+
+def verify_checkpoint(path: str, rank: int = 0) -> str | None:
+    """What is wrong with the checkpoint directory `path` (None: usable): meta.json readable and of a
+    readable format, every file of its manifest present with its size, and the sha256 of every file
+    rank `rank` loads (the shared model files and its own optimizer file; each rank checks its own, so
+    a pool reads each file once per reader, in parallel — `_verified` makes the ranks agree). A
+    checkpoint of an earlier build (no manifest) is checked for its files' presence only."""
+    meta_path = os.path.join(path, META_FILE)
+    try:
+        with open(meta_path, "rb") as f:
+            meta = msgspec.json.decode(f.read())
+    except FileNotFoundError:
+        return f"{META_FILE} is missing (an unfinished checkpoint)"
+    except (OSError, msgspec.DecodeError) as e:
+        return f"{META_FILE} is unreadable ({e})"
+    if not isinstance(meta, dict):
+        return f"{META_FILE} is not a JSON object"
+    if meta.get("format") not in READABLE_FORMATS:
+        return f"format {meta.get('format')}, this build reads {READABLE_FORMATS}"
+    files = meta.get("files")
+    if files is None:  # written before the manifest existed
+        need = [MODEL_FILE, f"rank{rank:05d}.pt"] + ([CRITIC_FILE] if meta.get("critic") else [])
+        missing = [n for n in need if not os.path.isfile(os.path.join(path, n))]
+        return f"{', '.join(missing)} missing" if missing else None
+    for name, (size, digest) in sorted(files.items()):
+        full = os.path.join(path, name)
+        try:
+            actual = os.path.getsize(full)
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} is {actual} bytes, the manifest in {META_FILE} says {size}"
+    mine = f"rank{rank:05d}.pt"
+    for name, (size, digest) in sorted(files.items()):
+        if _RANK_FILE.match(name) and name != mine:
+            continue  # another rank's optimizer state: that rank checks it
+        full = os.path.join(path, name)
+        if _sha256(full) != digest:
+            return f"{name} does not match its sha256 in {META_FILE} (corrupted)"
+    return None
 # Files of an HF dir that `save_pretrained` writes itself; everything else (tokenizer) is copied over.
 _HF_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
 
-def publish_checkpoint_dir(tmp: str, path: str, meta_bytes: bytes) -> None:
+def publish_checkpoint_dir(tmp: str, path: str, meta_bytes: bytes, manifest: bool = False) -> None:
     """Finish a checkpoint written into `tmp`: meta.json last (fsynced), then swap `tmp` in as `path`.
+    `manifest`: add `files` (size and sha256 of every file in `tmp`) to meta.json first.
 
     A directory without meta.json is never a checkpoint, so a crash at any point leaves either the
     old checkpoint or the new one, never a half-written one under `path`."""
+    if manifest:
+        meta = msgspec.json.decode(meta_bytes)
+        meta["files"] = _manifest(tmp)
+        meta_bytes = msgspec.json.encode(meta)
     with open(os.path.join(tmp, META_FILE), "wb") as f:
         f.write(meta_bytes)
         f.flush()
@@ -90,9 +191,10 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
              "rng": rng, "step": trainer.step, "optimizer_steps": trainer.actor.optimizer_steps,
              "skipped_steps": trainer.skipped_steps, "version": trainer.version}
     torch.save(state, _rank_file(tmp, trainer.layout.rank))
-    trainer.barrier()  # every rank's file is written
+    _write_digest(_rank_file(tmp, trainer.layout.rank))
+    trainer.barrier()  # every rank's file (and its digest) is written
     if trainer.is_rank0:
-        publish_checkpoint_dir(tmp, path, meta_bytes)
+        publish_checkpoint_dir(tmp, path, meta_bytes, manifest=True)
     trainer.barrier()
     return path
 
@@ -152,8 +254,23 @@ def export_hf(trainer, out_dir: str) -> str:
     return out_dir
 
 
+def _verified(trainer, path: str) -> str | None:
+    """`verify_checkpoint` on every rank, agreed: None only when every rank found its part usable (a
+    MIN all-reduce on the host group), so every rank takes the same checkpoint."""
+    err = verify_checkpoint(path, trainer.layout.rank)
+    layout = trainer.layout
+    if getattr(layout, "distributed", False) and layout.world_size > 1:
+        if err and not trainer.is_rank0:
+            print(f"[learner rank {layout.rank}] checkpoint {path} is unusable: {err}", flush=True)
+        ok = torch.tensor([0 if err else 1], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=layout.host_world_group)
+        if err is None and not int(ok.item()):
+            err = "another rank's optimizer file failed verification (that rank's log names it)"
+    return err
+
+
 class CheckpointManager:
-    def __init__(self, root: str, *, save_freq: int, resume_mode: str = "auto", keep: int = 2,
+    def __init__(self, root: str, *, save_freq: int, resume_mode: str | int = "auto", keep: int = 2,
                  export_hf: bool = False) -> None:
         if save_freq < 0:
             raise ValueError("train.save_freq must be ≥ 0 (0 = never): set train.save_freq=10")
@@ -161,9 +278,10 @@ class CheckpointManager:
             raise ValueError("train.keep_checkpoints must be ≥ 1")
         self.root = os.path.abspath(root)
         self.save_freq = save_freq
-        self.resume_mode = resume_mode
+        self.resume_mode = str(resume_mode)  # a step number arrives as an int from YAML/overrides
         self.keep = keep
         self.export_hf = export_hf
+        self.rollback = False  # set by `resume`
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, run_dir: str) -> "CheckpointManager":
@@ -172,29 +290,163 @@ class CheckpointManager:
                    export_hf=cfg.export_hf)
 
     # ---- resume ---------------------------------------------------------------------------------
-    def latest(self) -> str | None:
+    def _latest_name(self) -> str | None:
         try:
             with open(os.path.join(self.root, "latest")) as f:
-                name = f.read().strip()
-        except FileNotFoundError:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    def latest(self) -> str | None:
+        name = self._latest_name()
+        if name is None:
             return None
         path = os.path.join(self.root, name)
         return path if os.path.isdir(path) else None
 
+    def _step_names(self) -> list[str]:
+        """The checkpoint directories of `root`, newest first."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        return sorted((n for n in names if _STEP_DIR.match(n) and os.path.isdir(os.path.join(self.root, n))),
+                      reverse=True)
+
+    def candidates(self) -> list[str]:
+        """What `auto` tries, in order: the checkpoint `latest` names, then every older one, newest first
+        (all of them, newest first, when `latest` names none that exists)."""
+        names = self._step_names()
+        latest = self._latest_name()
+        if latest in names:
+            names = [n for n in names if n <= latest]
+        return [os.path.join(self.root, n) for n in names]
+
+    def _explicit_path(self) -> str:
+        mode = self.resume_mode
+        name = f"step_{int(mode):08d}" if mode.isdigit() else mode
+        if _STEP_DIR.match(name):
+            path = os.path.join(self.root, name)
+            if not os.path.isdir(path):
+                have = ", ".join(n[len("step_"):].lstrip("0") or "0" for n in reversed(self._step_names())) or "none"
+                raise CheckpointError(f"train.resume_mode={mode!r}: no checkpoint {path} (steps in {self.root}: "
+                                      f"{have}): set train.resume_mode to one of them, or auto")
+            return path
+        if not os.path.isdir(mode):
+            raise CheckpointError(f"train.resume_mode={mode!r} is not a checkpoint directory: set "
+                                  "train.resume_mode=auto, disable, a step number or an existing step_* path")
+        return os.path.abspath(mode)
+
     def resume_path(self) -> str | None:
+        """The checkpoint `resume_mode` names, unverified (see `resume` for the verified choice)."""
         if self.resume_mode == "disable":
             return None
         if self.resume_mode == "auto":
             return self.latest()
-        if not os.path.isdir(self.resume_mode):
-            raise FileNotFoundError(f"train.resume_mode={self.resume_mode!r} is not a checkpoint directory: "
-                                    "set train.resume_mode=auto, disable or an existing step_* path")
-        return self.resume_mode
+        return self._explicit_path()
 
-    def resume(self, trainer) -> dict[str, Any] | None:
-        """Load the checkpoint `resume_mode` names into `trainer`; its `extra`, or None (fresh start)."""
-        path = self.resume_path()
-        return None if path is None else load_checkpoint(trainer, path)
+    def _set_aside(self, names: list[str], suffix: str) -> list[str]:
+        """Rank 0: rename checkpoints of `root` out of the way (kept, never pruned, never resumed)."""
+        out = []
+        for n in names:
+            src = os.path.join(self.root, n)
+            dst = f"{src}.{suffix}"
+            k = 1
+            while os.path.exists(dst):
+                k += 1
+                dst = f"{src}.{suffix}{k}"
+            os.replace(src, dst)
+            out.append(dst)
+        return out
+
+    def _point_latest(self, name: str | None) -> None:
+        latest = os.path.join(self.root, "latest")
+        if name is None:
+            if os.path.exists(latest):
+                os.remove(latest)
+            return
+        tmp = latest + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, latest)
+
+    def resume(self, trainer, *, explicit: bool = True, log=print) -> dict[str, Any] | None:
+        """Load the checkpoint `resume_mode` names into `trainer`, verified first; its `extra`, or None
+        (fresh start). Sets `self.rollback`: True when this start may be behind the buffer's committed
+        step on purpose (an explicit step, `disable`, or a fallback past an unusable checkpoint) — the
+        learner then rewinds the buffer (ReplayBuffer.recover(rollback=…)) instead of refusing.
+        `explicit=False` (a restarted learner pool) resumes as `auto`: the explicit choice was the
+        first start's, and that start pointed `latest` at it."""
+        mode = self.resume_mode if explicit else "auto"
+        self.rollback = False
+        rank0 = trainer.is_rank0
+        if mode == "disable":
+            newer = self._step_names()
+            self.rollback = bool(newer)
+            trainer.barrier()
+            if rank0 and newer:
+                moved = self._set_aside(newer, "rolled_back")
+                self._point_latest(None)
+                log(f"train.resume_mode=disable: starting over from step 0; the existing checkpoints are set "
+                    f"aside: {', '.join(moved)}")
+            trainer.barrier()
+            return None
+        if mode == "auto":
+            cands = self.candidates()
+            if not cands:
+                return None
+            bad: list[tuple[str, str]] = []
+            path = None
+            for i, cand in enumerate(cands):
+                err = _verified(trainer, cand)
+                if err is None:
+                    path = cand
+                    break
+                bad.append((cand, err))
+                if rank0:
+                    nxt = cands[i + 1] if i + 1 < len(cands) else None
+                    log(f"checkpoint {cand} is unusable: {err}; "
+                        + (f"falling back to the previous checkpoint {nxt}" if nxt else "no older checkpoint left"))
+            trainer.barrier()  # every rank verified before any is renamed
+            if path is None:
+                listing = "; ".join(f"{p}: {e}" for p, e in bad)
+                raise CheckpointError(
+                    f"no usable checkpoint in {self.root} (run dir {os.path.dirname(self.root)}): {listing}. "
+                    f"Resume from a checkpoint you restored there, or start over from step 0 with "
+                    f"train.resume_mode=disable (the unusable ones are set aside), or use a new --run-dir")
+            if bad:
+                self.rollback = True
+                if rank0:
+                    moved = self._set_aside([os.path.basename(p) for p, _ in bad], "corrupt")
+                    self._point_latest(os.path.basename(path))
+                    log(f"resuming from {path} instead of {bad[0][0]}; the unusable checkpoint(s) are kept as "
+                        f"{', '.join(moved)}")
+                trainer.barrier()
+        else:
+            path = self._explicit_path()
+            err = _verified(trainer, path)
+            if err is not None:
+                raise CheckpointError(f"train.resume_mode={self.resume_mode!r}: checkpoint {path} is unusable: {err}; "
+                                      f"choose another (train.resume_mode=auto takes the newest usable one)")
+            self.rollback = True
+            trainer.barrier()
+            if rank0 and os.path.dirname(path) == self.root:
+                name = os.path.basename(path)
+                newer = [n for n in self._step_names() if n > name]
+                if newer:
+                    moved = self._set_aside(newer, "rolled_back")
+                    log(f"train.resume_mode={self.resume_mode}: rolling back to {path}; the newer checkpoints "
+                        f"are set aside: {', '.join(moved)}")
+                self._point_latest(name)  # a restarted pool resumes from here (or what it saved since)
+            trainer.barrier()
+        try:
+            return load_checkpoint(trainer, path)
+        except (CheckpointError, ValueError):  # ValueError: layout/critic mismatch, named already
+            raise
+        except Exception as e:  # a library error (torch, safetensors): name the checkpoint
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {type(e).__name__}: {e}") from e
 
     # ---- save -----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:

@@ -1,6 +1,7 @@
 """The learner process (one per rank of the pool): the RL loop of a training run, on one screen.
 
-    resume: checkpoint (if any) → buffer.recover (finish a cut-off commit; pending entries to redo)
+    resume: checkpoint (if any; verified, falling back past unusable ones) → buffer.recover (finish a
+            cut-off commit; pending entries to redo; rewind a buffer ahead of a deliberate rollback)
             → push the restored weights so every server serves the policy we resume from
     ┌─ fetch B groups to train (rank 0; redo entries first; blocks until rollouts produced them)
     │    ├─ consume-time guard: drop groups older than the limit (counted; ~0 when the gate works)
@@ -118,7 +119,8 @@ class Coordinator:
 
         self.loggers = make_loggers(cfg, run_dir, incarnation, on_error=_log)  # TensorBoard, W&B (rank 0 only)
 
-    async def start(self, extra: dict | None, version: int, layout, n_servers: int, tensors: list) -> None:
+    async def start(self, extra: dict | None, version: int, layout, n_servers: int, tensors: list,
+                    rollback: bool = False) -> None:
         """Recover the buffer, set up weight sync and make every server serve `tensors` as `version`:
         pushed when resuming from a checkpoint (the servers may hold newer weights); on a fresh start
         the servers already serve version 0 (model.path) and are only continued (one restarted with
@@ -127,7 +129,10 @@ class Coordinator:
 
         step = extra["step"] if extra else 0
         uncommitted = [tuple(p) for p in (extra or {}).get("uncommitted", [])]
-        self.redo = self.buffer.recover(CONSUMER, uncommitted, step)
+        # rollback: this start resumes an older checkpoint on purpose (explicit train.resume_mode, disable,
+        # or the fallback past an unusable newest one): a buffer that committed later steps is rewound
+        self.redo = self.buffer.recover(CONSUMER, uncommitted, step,
+                                        rollback=(version, self.cfg.train.batch_size) if rollback else None)
         if self.redo:
             _log(f"recovered {len(self.redo)} entr(ies) read but not covered by a checkpoint: training them first")
         self.seen_restarts = self.buffer.restarts("server")
@@ -363,7 +368,7 @@ class Coordinator:
 class Follower:
     """Every rank but 0: the coordinator's verbs, doing nothing (rank 0 alone talks to Redis and servers)."""
 
-    async def start(self, *a) -> None: ...
+    async def start(self, *a, **kw) -> None: ...
     async def fetch(self, version: int, stopping) -> Batch: return Batch()  # noqa: E704
     async def push(self, tensors, version: int) -> dict: return {"push_s": 0.0}  # noqa: E704
     def set_version(self, version: int) -> None: ...
@@ -377,7 +382,7 @@ class Follower:
 
 
 async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_port: int) -> int:
-    from areal_like.learner.checkpoint import CheckpointManager
+    from areal_like.learner.checkpoint import CheckpointError, CheckpointManager
     from areal_like.learner.parallel import LayoutSpec, broadcast_groups
     from areal_like.learner.parallel.spawn import init_pool_from_env
     from areal_like.learner.trainer import Trainer
@@ -392,13 +397,18 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     rank = init_pool_from_env(cfg.train.collective_timeout_s, endpoints.learner_device)
     trainer = Trainer.from_config(cfg, LayoutSpec.from_allocation(cfg.allocation), device=endpoints.learner_device)
     ckpt = CheckpointManager.from_config(cfg.train, run_dir=run_dir)
-    extra = ckpt.resume(trainer)  # every rank
+    try:  # every rank; verified first, falls back past an unusable newest checkpoint (`auto`)
+        extra = ckpt.resume(trainer, explicit=incarnation == 0, log=_log)
+    except CheckpointError as e:
+        _log(f"cannot resume: {e}")
+        return 3
     step = last_saved = extra["step"] if extra else 0
     version = extra["version"] if extra else 0
     coord = Coordinator(cfg, endpoints, run_dir, incarnation, weight_port, metrics_port) if rank == 0 else Follower()
     # Collective gather (full tensors on rank 0): pushed when resuming (the servers may hold newer weights
     # from steps this checkpoint does not have), and kept to push again if a server restarts before step 1.
-    await coord.start(extra, version, trainer.layout, len(endpoints.servers), trainer.named_tensors_for_push())
+    await coord.start(extra, version, trainer.layout, len(endpoints.servers), trainer.named_tensors_for_push(),
+                      rollback=ckpt.rollback)
     coord.set_version(version)
     coord.maybe_request_eval(version, step)
     # SIGTERM/SIGINT (launcher stop, Ctrl-C): rank 0 finishes the step in hand, tells the other

@@ -38,6 +38,11 @@ ROLLOUT_FINISH = Counter("areal_like_rollout_finish_reasons", "Trajectories acce
                          "max_turns, context_limit, …)", ["reason"], registry=REGISTRY)
 AGENT_COMPLETIONS_REFUSED = Counter("areal_like_rollout_agent_completions_refused", "Agent completion requests "
                                     "refused by rollout.multi_turn.max_completions_per_episode", registry=REGISTRY)
+WORKFLOW_FAILURES = Counter("areal_like_rollout_workflow_failures", "Groups whose workflow failed (prompt retried), by "
+                            "kind: exception, timeout (rollout.episode_timeout_s), bad_result (not a group, e.g. a "
+                            "reward \"1.0\"), generation (the servers failed a request)", ["kind"], registry=REGISTRY)
+ROLLOUT_DROPPED_AT_STOP = Counter("areal_like_rollout_dropped_in_flight_at_stop", "Groups in flight when the worker "
+                                  "was stopped (cancelled, not trained)", registry=REGISTRY)
 ROLLOUT_TURNS = Histogram("areal_like_rollout_assistant_turns", "Assistant turns (runs of trained tokens) per accepted "
                           "trajectory", buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=REGISTRY)
 REWARD_TIMEOUTS = Counter("areal_like_reward_timeouts", "Reward calls that timed out", registry=REGISTRY)

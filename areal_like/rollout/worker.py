@@ -5,7 +5,9 @@
         wait for the global staleness gate  (Redis, atomic; unblocked when the learner bumps v)
         spawn: workflow.run_group(prompt)   (n samples on the servers, rewards)
                  ├─ ok     → buffer.add_group   (atomically: stream entry, accepted += 1, running −= 1)
-                 └─ failed → gate.release        (the slot is freed; the prompt is not lost: retried)
+                 └─ failed → gate.release        (the slot is freed; the prompt is retried: always after a
+                                                  generation failure, once after the workflow raised or
+                                                  returned a bad result, never after a timeout)
 
 It never talks to the learner: the version key in Redis is the only thing it reads from it — except
 that worker 0, when `data.val_files` is set, also runs the evaluator (rollout/evaluator.py) as a
@@ -20,6 +22,18 @@ log line naming the reward function and the counts (the launcher shows it as the
 Agent completions the proxy refused past `rollout.multi_turn.max_completions_per_episode` are counted
 per accepted group: Prometheus `areal_like_rollout_agent_completions_refused`, the episode dump, and the
 run's Redis counter `agent_completions_refused` (summary.json `buffer.agent_completions_refused`).
+
+Workflow failures (rollout/failures.py): a group whose workflow raised, ran past
+`rollout.episode_timeout_s` (cancelled, its slot freed) or returned something that is not a group
+(WorkflowResultError, e.g. a reward "1.0") is counted by kind — Prometheus
+`areal_like_rollout_workflow_failures{kind}`, the run's Redis counters `workflow_failures:<kind>`
+(summary.json `buffer.workflow_failures`) — its prompt retried later, and the next group started after
+a backoff that doubles per failure in a row. The first failure of each kind is logged with its
+traceback, later ones only counted. When more than `rollout.max_failure_fraction` of the last
+`rollout.failure_window` groups failed, the worker stops and exits with EXIT_WORKFLOW_FAILURES, its last
+log line naming the workflow, the key and the first traceback.
+Groups in flight when the worker is stopped are cancelled and counted: Redis `dropped_in_flight_at_stop`
+(summary.json `buffer.dropped_in_flight_at_stop`), Prometheus `areal_like_rollout_dropped_in_flight_at_stop`.
 """
 
 from __future__ import annotations
@@ -35,6 +49,16 @@ from areal_like.api.config import decode_config
 from areal_like.api.run_files import Endpoints
 
 EXIT_REWARD_FAILURES = 3
+EXIT_WORKFLOW_FAILURES = 4
+EXIT_BAD_DATA = 5
+"""Exit code of a worker whose data files cannot be used (no rows, every prompt longer than
+data.max_prompt_length, a malformed cell): restarting it would fail the same way. `launcher run`'s
+preflight catches most of these before anything starts; this is the rest (lengths need the tokenizer)."""
+PROMPT_RETRIES = 1
+"""Times a prompt whose workflow raised or returned a bad result is tried again (a timed-out one is not:
+it would hold a slot for another rollout.episode_timeout_s; a generation failure always is)."""
+"""Exit code of a worker that stopped because too many of its groups failed in the workflow
+(rollout.max_failure_fraction; restarting it would not help)."""
 GROUP_OUTCOMES = ("accepted", "duplicate", "skipped", "failed")
 """`areal_like_rollout_groups_total{outcome}`: accepted into the buffer, duplicate (its id was already
 there), skipped (the workflow returned no group, e.g. dynamic sampling), failed (retried later)."""
@@ -66,22 +90,33 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
     if metrics_port:
         M.serve(metrics_port)
     M.export_at_zero(M.ROLLOUT_GROUPS, GROUP_OUTCOMES)
+    from areal_like.buffer.scripts import WORKFLOW_FAILURE_KINDS
+
+    M.export_at_zero(M.WORKFLOW_FAILURES, WORKFLOW_FAILURE_KINDS)
     redis_url = os.environ["AREAL_LIKE_REDIS_URL"]
     n_workers = cfg.rollout.workers
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    dataset = PromptDataset(cfg.data.train_files, tokenizer, prompt_key=cfg.data.prompt_key,
-                            max_prompt_length=cfg.data.max_prompt_length,
-                            apply_chat_template=cfg.data.apply_chat_template)
+    try:
+        dataset = PromptDataset(cfg.data.train_files, tokenizer, prompt_key=cfg.data.prompt_key,
+                                max_prompt_length=cfg.data.max_prompt_length,
+                                apply_chat_template=cfg.data.apply_chat_template)
+    except ValueError as e:
+        _log(index, f"exit {EXIT_BAD_DATA}: {e}")
+        return EXIT_BAD_DATA
     prompts = dataset.iterate(seed=cfg.seed, shuffle=cfg.data.shuffle, shard=index, num_shards=n_workers)
     val_dataset = None
     if index == 0 and cfg.data.val_files:  # worker 0 also answers the learner's validation requests
         for i, path in enumerate(cfg.data.val_files):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"data.val_files[{i}]={path} does not exist: fix data.val_files=[…]")
-        val_dataset = PromptDataset(cfg.data.val_files, tokenizer, prompt_key=cfg.data.prompt_key,
-                                    max_prompt_length=cfg.data.max_prompt_length,
-                                    apply_chat_template=cfg.data.apply_chat_template)
+        try:
+            val_dataset = PromptDataset(cfg.data.val_files, tokenizer, prompt_key=cfg.data.prompt_key,
+                                        max_prompt_length=cfg.data.max_prompt_length,
+                                        apply_chat_template=cfg.data.apply_chat_template, key="data.val_files")
+        except ValueError as e:
+            _log(index, f"exit {EXIT_BAD_DATA}: {e}")
+            return EXIT_BAD_DATA
     buffer = ReplayBuffer.from_config(cfg.buffer, url=redis_url)
     # One Redis endpoint for both: a Redis restart is noticed once and recovered in one fixed order.
     gate = StalenessGate.from_config(cfg.buffer, url=redis_url, batch_size=cfg.train.batch_size,
@@ -147,10 +182,86 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
             dump = DumpWriter(os.path.join(run_dir, cfg.rollout.dump_dir), index, tokenizer)
             _log(index, f"dumping accepted groups to {dump.path}")
 
+        from areal_like.api.workflow import WorkflowResultError
+        from areal_like.engine.client import GenerationError
+        from areal_like.rollout.failures import WorkflowFailures
+
+        ro = cfg.rollout
+        failures = WorkflowFailures(ro.workflow, max_failure_fraction=ro.max_failure_fraction,
+                                    failure_window=ro.failure_window, timeout_s=ro.episode_timeout_s,
+                                    log=lambda msg: _log(index, msg))
+        workflow_stop: list[str] = []  # the failure-fraction message, once
+        dropped_at_stop = [0]  # groups cancelled because the worker stopped
+        failed_tries: dict[str, int] = {}  # prompt id → workflow failures in a row (retry bound)
+        count_warned = [False]
+
+        async def flush_failures() -> None:
+            counts = failures.take_unflushed()
+            if not counts:
+                return
+            try:
+                await buffer.count_workflow_failures_async(counts)
+                count_warned[0] = False
+            except Exception as e:  # Redis away (restarting): keep them for the next flush
+                failures.put_back(counts)
+                if not count_warned[0]:
+                    _log(index, f"could not count workflow failures in Redis ({type(e).__name__}: {e}); will retry")
+                    count_warned[0] = True
+
+        async def workflow_failed(kind: str, record, group_id: str, exc: BaseException | None) -> None:
+            M.ROLLOUT_GROUPS.labels("failed").inc()
+            M.WORKFLOW_FAILURES.labels(kind).inc()
+            if failures.failed(kind, group_id, record.prompt_id, exc, workflow=workflow.workflow_name(record)):
+                workflow_stop.append(failures.limit_message)
+                _log(index, "stopping: more than rollout.max_failure_fraction of the recent groups failed in "
+                            f"workflow {ro.workflow}")
+                stop.set()
+            await flush_failures()
+
+        async def acquire_slot() -> bool:
+            """A free local slot, or False once `stop` is set: with every slot held (groups hanging), a
+            stop must still be seen — then the groups in flight are cancelled and counted."""
+            if stop.is_set():
+                return False
+            acq, stopped = asyncio.ensure_future(slots.acquire()), asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({acq, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
+                if not acq.done():
+                    acq.cancel()
+            if acq.done() and not acq.cancelled():
+                if stop.is_set():
+                    slots.release()
+                    return False
+                return True
+            return False
+
         async def one(record, group_id: str) -> None:
             accepted = False
             try:
-                group = await workflow.run_group(record, group_id)
+                # The episode, bounded by rollout.episode_timeout_s (None = no limit): past it the workflow
+                # is cancelled, and the group counts as a failure of kind `timeout`.
+                bound = asyncio.timeout(ro.episode_timeout_s)
+                try:
+                    async with bound:
+                        group = await workflow.run_group(record, group_id)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # the workflow's failure: counted, the prompt retried after a backoff
+                    kind = ("timeout" if isinstance(e, TimeoutError) and bound.expired() else
+                            "bad_result" if isinstance(e, WorkflowResultError) else
+                            "generation" if isinstance(e, GenerationError) else "exception")
+                    tries = failed_tries.get(record.prompt_id, 0)
+                    if kind == "generation" or (kind != "timeout" and tries < PROMPT_RETRIES):
+                        failed_tries[record.prompt_id] = tries + 1
+                        retry.append(record)
+                    else:  # a prompt that hangs (or keeps failing) would take the slots again and again
+                        failed_tries.pop(record.prompt_id, None)
+                    await workflow_failed(kind, record, group_id, e)
+                    return
+                failures.ok()
+                failed_tries.pop(record.prompt_id, None)
                 if group is None:
                     M.ROLLOUT_GROUPS.labels("skipped").inc()
                 else:
@@ -173,6 +284,8 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
                             _log(index, f"group {group_id}: counting {refused} refused agent completion(s) "
                                         f"in Redis failed: {type(e).__name__}: {e}")
             except asyncio.CancelledError:
+                if not accepted and stop.is_set():  # the worker is stopping: this group is dropped
+                    dropped_at_stop[0] += 1
                 raise
             except Exception as e:  # one failed group must not end the worker: free the slot, retry the prompt
                 M.ROLLOUT_GROUPS.labels("failed").inc()
@@ -209,7 +322,16 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
         _log(index, f"started: {len(dataset)} prompts (shard {index}/{n_workers}), servers {endpoints.servers}, "
                     f"{max_groups} groups in flight at most (rollout.max_concurrent_groups)")
         while not stop.is_set():
-            await slots.acquire()
+            pause = failures.backoff_s()  # failures in a row: wait before the next group (no spinning)
+            if pause:
+                try:
+                    await asyncio.wait_for(stop.wait(), pause)
+                except TimeoutError:
+                    pass
+                if stop.is_set():
+                    break
+            if not await acquire_slot():
+                break
             got = False
             group_id = f"w{index}-{seq}"  # also the gate slot id: retried gate calls stay idempotent
             while not stop.is_set():
@@ -238,6 +360,16 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
         if eval_task is not None:
             eval_task.cancel()
         await asyncio.gather(*inflight, *([eval_task] if eval_task is not None else []), return_exceptions=True)
+        await flush_failures()
+        if dropped_at_stop[0]:
+            M.ROLLOUT_DROPPED_AT_STOP.inc(dropped_at_stop[0])
+            try:
+                await buffer.count_dropped_at_stop_async(dropped_at_stop[0])
+                _log(index, f"{dropped_at_stop[0]} group(s) in flight dropped at stop "
+                            f"(summary.json buffer.dropped_in_flight_at_stop)")
+            except Exception as e:
+                _log(index, f"counting {dropped_at_stop[0]} group(s) dropped at stop in Redis failed: "
+                            f"{type(e).__name__}: {e}")
         await workflow.close()
         if dump is not None:
             dump.close()
@@ -249,6 +381,9 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
         # The last line of this log: the launcher shows it as the reason the run stopped.
         _log(index, f"exit {EXIT_REWARD_FAILURES}: {reward_stop[0]}")
         return EXIT_REWARD_FAILURES
+    if workflow_stop:
+        _log(index, f"exit {EXIT_WORKFLOW_FAILURES}: {workflow_stop[0]}")
+        return EXIT_WORKFLOW_FAILURES
     return 1 if eval_failed else 0
 
 

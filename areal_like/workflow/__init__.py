@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from areal_like.api.workflow import LoadedWorkflow, WorkflowLoadError, classify, load_user_workflow
+from areal_like.api.workflow import (LoadedWorkflow, WorkflowLoadError, WorkflowResultError, classify,
+                                     load_user_workflow)
 from areal_like.workflow.base import EpisodeWorkflow, RolloutWorkflow, make_group
 from areal_like.workflow.multi_turn import multi_turn
 from areal_like.workflow.rlvr import RLVRWorkflow, rlvr, sample_seed
@@ -129,7 +130,10 @@ class WorkflowRunner:
             mt = self.cfg.rollout.multi_turn
             out = await run_agent_group(ctx, wf.obj, await self.proxy(), export_style=mt.export_style,
                                         turn_discount=mt.turn_discount)
-        group = make_group(out, record, group_id, self.producer, wf.name)
+        try:
+            group = make_group(out, record, group_id, self.producer, wf.name)
+        except (TypeError, ValueError) as e:  # not a group: counted as `bad_result` by the rollout worker
+            raise WorkflowResultError(f"workflow {wf.name} (prompt {record.prompt_id}): {e}") from None
         if group is not None and ctx.info and keep_info:
             self.episode_info[group_id] = ctx.info
         return group

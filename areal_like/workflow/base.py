@@ -11,6 +11,8 @@ turns one episode function into the `run_group` the worker calls.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,6 +74,10 @@ def make_group(out: Any, record: PromptRecord, group_id: str, producer: str, nam
         return None
     for t in trajs:
         t.validate()
+        r = t.reward
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r):
+            raise ValueError(f"workflow {name}: trajectory {t.traj_id} has reward {r!r}: a reward must be a finite "
+                             f"number (float)")
         if t.group_id != group_id:
             raise ValueError(f"workflow {name}: trajectory {t.traj_id} has group_id {t.group_id!r}, want {group_id!r} "
                              f"(build it with ctx.sequence(...).to_trajectory)")

@@ -333,6 +333,30 @@ def test_recover_commits_the_checkpoint_and_returns_only_untrained_pending(buf, 
     fresh.close()
 
 
+def test_recover_with_rollback_rewinds_the_buffer_once(buf, redis_server):
+    """Issue 24: a deliberate rollback (explicit older train.resume_mode, or the fallback past an
+    unusable checkpoint) rewinds the committed step and the version, and gives the gate back the
+    undone versions' capacity — once; the undone steps' groups stay trained (never handed out again)."""
+    for i in range(4):
+        buf.add_group(group(f"g{i}"))
+    for step in (1, 2):
+        entries = buf.read(2, consumer="L")
+        buf.commit([(e, g.group_id) for e, g in entries], step=step, consumer="L")
+    buf.set_version(2)
+    c = buf.endpoint.client
+    credit0 = int(c.hget(buf.keys.counters, "gate_credit") or 0)
+    back = ReplayBuffer(redis_server.url, stream=buf.stream, block_ms=100)
+    assert back.recover("L", [], step=1, rollback=(1, 2)) == []
+    assert c.get(buf.keys.committed("L")) == b"1" and c.get(buf.keys.version) == b"1"
+    assert int(c.hget(buf.keys.counters, "gate_credit")) == credit0 + 2  # (2 − 1) versions · B=2
+    assert int(c.hget(buf.keys.counters, "rolled_back_steps")) == 1
+    back.recover("L", [], step=1, rollback=(1, 2))  # a retry (or a restarted learner): nothing more
+    assert int(c.hget(buf.keys.counters, "gate_credit")) == credit0 + 2
+    buf.add_group(group("g2"))  # step 2's group again (e.g. re-added): already trained, not handed out
+    assert back.read(5, block_ms=0, consumer="L") == []
+    back.close()
+
+
 def test_redelivered_held_entry_and_readded_duplicate_are_skipped(buf):
     buf.add_group(group("g0"))
     (eid, _), = buf.read(1, consumer="L")

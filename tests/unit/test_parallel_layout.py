@@ -75,9 +75,15 @@ def test_checkpoint_manager_resume_modes(tmp_path, monkeypatch):
     class Fake:
         is_rank0 = True
         saved: list[str] = []
+        layout = type("L", (), {"rank": 0})()
+
+        def barrier(self):
+            pass
 
     def fake_save(trainer, path, extra):
         os.makedirs(path)
+        with open(os.path.join(path, checkpoint.META_FILE), "w") as f:
+            f.write('{"format": 3, "files": {}}')
         trainer.saved.append(path)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", fake_save)
@@ -90,12 +96,19 @@ def test_checkpoint_manager_resume_modes(tmp_path, monkeypatch):
         m.maybe_save(ln, step)
     assert [os.path.basename(p) for p in ln.saved] == ["step_00000002", "step_00000004", "step_00000006"]
     assert sorted(os.listdir(tmp_path / "c")) == ["latest", "step_00000004", "step_00000006"]  # keep=2
-    assert m.resume(ln)["path"].endswith("step_00000006")
-    assert CheckpointManager(str(tmp_path / "c"), save_freq=2, resume_mode="disable").resume(ln) is None
-    explicit = str(tmp_path / "c" / "step_00000004")
-    assert CheckpointManager(str(tmp_path / "c"), save_freq=0, resume_mode=explicit).resume(ln)["path"] == explicit
-    with pytest.raises(FileNotFoundError, match="resume_mode"):
+    assert m.resume(ln)["path"].endswith("step_00000006") and not m.rollback
+    with pytest.raises(checkpoint.CheckpointError, match="resume_mode"):
         CheckpointManager(str(tmp_path / "c"), save_freq=0, resume_mode=str(tmp_path / "nope")).resume(ln)
+    with pytest.raises(checkpoint.CheckpointError, match="steps in .*: 4, 6"):
+        CheckpointManager(str(tmp_path / "c"), save_freq=0, resume_mode="5").resume(ln)
+    explicit = str(tmp_path / "c" / "step_00000004")
+    m = CheckpointManager(str(tmp_path / "c"), save_freq=0, resume_mode="4")  # a step number
+    assert m.resume(ln)["path"] == explicit and m.rollback  # the newer one is set aside: one history
+    assert sorted(os.listdir(tmp_path / "c")) == ["latest", "step_00000004", "step_00000006.rolled_back"]
+    assert CheckpointManager(str(tmp_path / "c"), save_freq=0, resume_mode=explicit).resume(ln)["path"] == explicit
+    m = CheckpointManager(str(tmp_path / "c"), save_freq=2, resume_mode="disable")
+    assert m.resume(ln) is None and m.rollback
+    assert sorted(os.listdir(tmp_path / "c")) == ["step_00000004.rolled_back", "step_00000006.rolled_back"]
 
 
 def _groups_rank(rank: int, world: int, port: int, q) -> None:

@@ -77,3 +77,119 @@ def test_data_files_are_checked_for_existence_and_columns(tmp_path, demo_assets)
         resolve_and_check(cfg_with(f"model.path={model}", f"data.train_files=[{not_parquet}]"))
     with pytest.raises(PreflightError, match=r"data.train_files is empty"):
         resolve_and_check(cfg_with(f"model.path={model}", "data.train_files=[]"))
+
+
+# ---- issue 24 item 11 / Deliver 2: what the rollout workers read, checked before anything starts -------
+
+from launcher.preflight import check_rollout_inputs  # noqa: E402
+
+
+def _write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def _row(prompt, **extra):
+    return {"prompt": prompt, "reward_model": {"ground_truth": "1", "style": "rule"}, **extra}
+
+
+def _checked(model, train, *overrides):
+    cfg = cfg_with(f"model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]", "train.test_freq=0",
+                   *overrides)
+    resolve_and_check(cfg)
+    check_rollout_inputs(cfg)
+
+
+@pytest.mark.parametrize("cell,problem", [
+    (None, "column 'prompt' is null"),
+    ("", "column 'prompt' is an empty string"),
+    ([], "column 'prompt' is an empty chat list"),
+    ([{"role": "user", "content": None}], "column 'prompt' message 0 (user) has content NoneType, want a str"),
+    ([{"role": "", "content": "hi"}], "column 'prompt' message 0 has no role"),
+])
+def test_bad_prompt_cells_name_the_key_file_and_row(tmp_path, demo_assets, cell, problem):
+    model, _ = demo_assets
+    good = [{"role": "user", "content": "2+2"}] if isinstance(cell, list) else "2+2"
+    path = _write(tmp_path / "t.parquet", [_row(good), _row(good), _row(cell), _row(good)])
+    with pytest.raises(PreflightError) as e:
+        _checked(model, path)
+    assert f"data.train_files[0]={path} row 2: {problem}" in str(e.value)
+
+
+def test_val_file_rows_are_checked_and_an_empty_file_is_not_a_length_problem(tmp_path, demo_assets):
+    model, data = demo_assets
+    val = _write(tmp_path / "v.parquet", [_row("1"), _row(None)])
+    cfg = cfg_with(f"model.path={model}", f"data.val_files=[{data},{val}]")
+    resolve_and_check(cfg)
+    with pytest.raises(PreflightError, match=rf"data.val_files\[1\]={val} row 1: column 'prompt' is null"):
+        check_rollout_inputs(cfg)
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pq.read_table(data).slice(0, 0), empty)
+    cfg = cfg_with(f"model.path={model}", f"data.val_files=[{empty}]")
+    resolve_and_check(cfg)
+    with pytest.raises(PreflightError) as e:
+        check_rollout_inputs(cfg)
+    assert f"data.val_files[0]={empty} has no rows" in str(e.value) and "max_prompt_length" not in str(e.value)
+    with pytest.raises(PreflightError, match=rf"data.train_files\[0\]={empty} has no rows"):
+        _checked(model, empty)
+
+
+def test_agent_names_of_rows_and_extra_info_are_resolved(tmp_path, demo_assets):
+    model, _ = demo_assets
+    ok = _write(tmp_path / "ok.parquet", [_row("1", agent_name="rlvr"), _row("2", agent_name="single_turn_agent")])
+    _checked(model, ok)
+    typo = _write(tmp_path / "typo.parquet", [_row("1", extra_info={"index": 0, "agent_name": "rlvr"}),
+                                              _row("2", extra_info={"index": 1, "agent_name": "multi_trun"})])
+    with pytest.raises(PreflightError, match=rf"data.train_files\[0\]={typo} row 1 agent_name='multi_trun': .*not "
+                                             "known: use one of rlvr"):
+        _checked(model, typo)
+    tools = _write(tmp_path / "tools.parquet", [_row("1", agent_name="tool_agent")])
+    with pytest.raises(PreflightError, match=r"row 0 agent_name='tool_agent' needs tools: set rollout.tools_config"):
+        _checked(model, tools)
+
+
+def test_user_workflow_and_tools_yaml_are_loaded(tmp_path, demo_assets):
+    model, data = demo_assets
+    wf = tmp_path / "flows.py"
+    wf.write_text("async def my_flow(ctx, row):\n    return None\n")
+    _checked(model, data, f"rollout.workflow={wf}:my_flow")
+    with pytest.raises(PreflightError, match=rf"rollout.workflow={wf}:my_flwo: .* defines no 'my_flwo' \(it defines: "
+                                             "my_flow\\)"):
+        _checked(model, data, f"rollout.workflow={wf}:my_flwo")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module_xyz\n")
+    with pytest.raises(PreflightError, match=rf"rollout.workflow={broken}:f: importing .* ModuleNotFoundError"):
+        _checked(model, data, f"rollout.workflow={broken}:f")
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: python\n    config: {timeout: 5}\n")
+    with pytest.raises(PreflightError) as e:
+        _checked(model, data, f"rollout.tools_config={tools}", "rollout.workflow=tool_agent")
+    assert str(e.value).startswith(f"rollout.tools_config={tools}: tools[0] (python).config: unknown key(s) "
+                                   "['timeout']"), e.value
+    tools.write_text("tools: [{class_name: python}\n")
+    with pytest.raises(PreflightError, match=rf"rollout.tools_config={tools} is not valid YAML"):
+        _checked(model, data, f"rollout.tools_config={tools}", "rollout.workflow=tool_agent")
+    tools.write_text("tools:\n  - class_name: python\n")
+    _checked(model, data, f"rollout.tools_config={tools}", "rollout.workflow=tool_agent")
+
+
+def test_rollout_worker_dataset_tells_an_empty_file_from_prompts_too_long(tmp_path, demo_assets):
+    """The worker's own check (PromptDataset) names the key it was given and says "raise
+    data.max_prompt_length" only when prompts were dropped for length, never for an empty file."""
+    from transformers import AutoTokenizer
+
+    from areal_like.data.dataset import PromptDataset
+
+    model, data = demo_assets
+    tok = AutoTokenizer.from_pretrained(model)
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pq.read_table(data).slice(0, 0), empty)
+    with pytest.raises(ValueError) as e:
+        PromptDataset([str(empty)], tok, key="data.val_files")
+    assert f"data.val_files=['{empty}'] have no rows" in str(e.value) and "max_prompt_length" not in str(e.value)
+    with pytest.raises(ValueError, match=r"data.val_files=.*all 2048 are longer than data.max_prompt_length=0 "
+                                         r"tokens: raise data.max_prompt_length"):
+        PromptDataset([data], tok, max_prompt_length=0, key="data.val_files")
+    null = _write(tmp_path / "null.parquet", [_row("1"), _row(None)])
+    with pytest.raises(ValueError, match=rf"data.val_files\[0\]={null} row 1: column 'prompt' is null"):
+        PromptDataset([null], tok, key="data.val_files")
