@@ -301,9 +301,10 @@ LOOK_FOR_LEFTOVERS = textwrap.dedent("""
         "sem": libc.semget(KEY, 0, 0),
         "msg": libc.msgget(KEY, 0),
         "mq": libc.mq_open(("/" + TAG).encode(), os.O_RDONLY),
-        # everything in the call's writable directories but its own scratch directory (cwd)
-        "dirs": {{d: sorted(n for n in os.listdir(d) if os.path.join(d, n) != os.getcwd())
-                 for d in {dirs!r} if os.path.isdir(d)}},
+        # what the first call left in the writable directories (its files carry TAG; other entries are
+        # the call's own: its scratch directory, and the path to an interpreter bound back in when it
+        # lives under /tmp, e.g. a venv of a checkout in /tmp)
+        "dirs": {{d: sorted(n for n in os.listdir(d) if TAG in n) for d in {dirs!r} if os.path.isdir(d)}},
     }}
     print(json.dumps(seen))
 """)
