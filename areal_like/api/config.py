@@ -34,8 +34,13 @@ class ModelConfig(_Section):
     tiny model, built once in the cache dir `$AREAL_LIKE_CACHE`, default ~/.cache/areal_like). Required:
     `launcher run` checks it before anything starts and never creates or writes a path you give."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the learner's model copy (its master weights and compute); the servers hold
-    theirs in `server.dtype`, and every weight push casts to it."""
+    """Compute dtype of the learner's model copy (its parameters and activations); the master weights,
+    gradient reduction and AdamW state are in `train.master_dtype` (float32 by default). The servers
+    hold theirs in `server.dtype`, and every weight push casts to it (from the master)."""
+    enable_gradient_checkpointing: bool = False
+    """Activation checkpointing per decoder layer of the learner's actor and critic: each layer's
+    activations are recomputed in the backward pass instead of kept (less memory, about one more
+    forward pass of compute). verl's name; alias `actor_rollout_ref.model.enable_gradient_checkpointing`."""
 
 
 class DataConfig(_Section):
@@ -256,6 +261,12 @@ class TrainConfig(_Section):
     """AdamW ε."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this before each optimizer step; ≤ 0 = no clipping."""
+    master_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the learner's master weights, gradient reduction and AdamW state (actor and critic);
+    `model.dtype` is only the compute dtype. float32 with a 16-bit `model.dtype` keeps an fp32 master
+    copy in the optimizer (copied, cast, into the model after each step); a 16-bit master equal to
+    `model.dtype` is a pure low-precision optimizer (tiny updates round away; logged as a warning).
+    Must be float32 or equal to `model.dtype`."""
     eps_clip_low: float = 0.2
     """PPO clip below: the ratio π_θ/π_prox is clipped at 1 − eps_clip_low."""
     eps_clip_high: float = 0.28
@@ -286,6 +297,15 @@ class TrainConfig(_Section):
     """… dropped (acked, counted dropped:stale) or kept and trained anyway (counted stale_kept)."""
     micro_batch_tokens: int = 8192
     """Token budget of one micro-batch (padded B×T); gradients accumulate over micro-batches."""
+    logits_chunk_tokens: int = 1024
+    """Log-probabilities, entropy and values are computed from the model's last hidden states this many
+    loss positions at a time (the lm_head's [chunk × vocab] logits, recomputed in backward), never as a
+    whole micro-batch's [tokens × vocab] logits; 0 = unchunked (all positions of the micro-batch at once).
+    Results equal the unchunked path."""
+    compute_entropy: bool = True
+    """Report the policy's entropy (fp32, full vocabulary, loss tokens) each step; false skips it (one
+    exp over each chunk's logits less) and the `entropy` metric is NaN. An entropy bonus
+    (`algorithm.entropy_coef` > 0) computes it anyway."""
     warmup_steps: int = 0
     """Linear LR warm-up over this many applied optimizer steps (0 = none)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -690,6 +710,9 @@ class ExperimentConfig(_Section):
             raise ConfigError("train.batch_size (groups per step) must be ≥ 1: set train.batch_size=4")
         if self.train.torch_threads < 1:
             raise ConfigError(f"train.torch_threads={self.train.torch_threads}: use ≥ 1 (e.g. train.torch_threads=1)")
+        if self.train.logits_chunk_tokens < 0:
+            raise ConfigError(f"train.logits_chunk_tokens={self.train.logits_chunk_tokens}: use ≥ 1 (e.g. 1024), "
+                              f"or 0 (unchunked)")
         if self.rollout.workers < 1:
             raise ConfigError("rollout.workers must be ≥ 1")
         if self.rollout.max_concurrent_groups is not None and self.rollout.max_concurrent_groups < 1:
@@ -737,6 +760,10 @@ class ExperimentConfig(_Section):
                               "must be ≥ 1")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
+        md, cd = self.train.master_dtype, self.model.dtype
+        if md != "float32" and md != cd:
+            raise ConfigError(f"train.master_dtype={md} with model.dtype={cd}: the master weights are float32 "
+                              f"(set train.master_dtype=float32) or the compute dtype itself (train.master_dtype={cd})")
         mf = self.server.mem_fraction_static
         if mf is not None and not 0.0 < mf < 1.0:
             raise ConfigError(f"server.mem_fraction_static={mf}: use a fraction in (0, 1), e.g. 0.8, or null for SGLang's default")
@@ -842,6 +869,7 @@ ALIASES: dict[str, str] = {
     "critic.cliprange_value": "critic.value_clip",
     "critic.model.path": "critic.path",
     "actor_rollout_ref.ref.model.path": "ref.path",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "model.enable_gradient_checkpointing",
     "reward_model.overlong_buffer.len": "reward.overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "reward.overlong_penalty_factor",
     # validation (verl trainer.* / val_kwargs)

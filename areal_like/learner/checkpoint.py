@@ -1,7 +1,9 @@
 """Checkpoints of the trainer: one format, one policy (where they go, when to save, what to resume).
 
     <checkpoint_dir>/step_00000012/     one checkpoint:
-        model.safetensors                 the actor, full, HF names (usable with any layout)
+        model.safetensors                 the actor, full, HF names (usable with any layout); parameters
+                                          as the optimizer holds them: the fp32 master with a 16-bit
+                                          model.dtype (train.master_dtype), so a resume loses nothing
         critic.safetensors                the critic (adv_estimator=gae), full, HF names + value head
         rank00000.pt …                    per rank: optimizer state of its shards (actor, critic),
                                           RNG, counters (tensors and plain values: weights_only-loadable)
@@ -33,6 +35,7 @@ saved: it is reloaded from `ref.path`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -43,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from areal_like.api.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 CKPT_FORMAT = 3
 READABLE_FORMATS = (2, 3)  # 2: the actor-only format of earlier builds (no critic)
@@ -171,10 +176,11 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
     tmp = f"{path}.tmp"
     meta = {"format": CKPT_FORMAT, "layout": str(trainer.layout.spec), "step": trainer.step,
             "optimizer_steps": trainer.actor.optimizer_steps, "version": trainer.version,
-            "model_path": trainer.model_path, "critic": trainer.critic is not None, "extra": extra or {}}
+            "model_path": trainer.model_path, "critic": trainer.critic is not None, "extra": extra or {},
+            "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype}
     meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
     actor = trainer.named_tensors_for_push()
-    critic = trainer.critic.gather_full(dict(trainer.critic.local), trainer.device) if trainer.critic else []
+    critic = trainer.critic.gather_full(None, trainer.device) if trainer.critic else []  # its master too
     if trainer.is_rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -217,6 +223,12 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} {'has' if has_critic else 'has no'} critic but this run "
                          f"{'trains one' if trainer.critic is not None else 'does not'}: resume with the "
                          "same algorithm.adv_estimator, or start a new run (train.resume_mode=disable)")
+    saved_master = meta.get("master_dtype")  # absent: written before train.master_dtype (state in model.dtype)
+    if trainer.is_rank0 and (trainer.actor.master_dtype is not None if saved_master is None
+                             else saved_master != trainer.cfg.master_dtype):
+        log.warning("checkpoint %s: its master weights and AdamW state are %s; this run keeps them in %s "
+                    "(train.master_dtype): converted on load", path,
+                    saved_master or "in its model.dtype (written before train.master_dtype)", trainer.cfg.master_dtype)
     trainer.actor.load_full(load_file(os.path.join(path, MODEL_FILE), device=str(trainer.device)), path)
     if trainer.critic is not None:
         trainer.critic.load_full(load_file(os.path.join(path, CRITIC_FILE), device=str(trainer.device)), path)
@@ -240,7 +252,8 @@ def export_hf(trainer, out_dir: str) -> str:
     """A complete HF model dir of the actor written by rank 0 (config, safetensors, tokenizer files)."""
     from safetensors.torch import save_file
 
-    tensors = trainer.named_tensors_for_push()
+    tensors = trainer.named_tensors_for_push()  # the master: written in model.dtype, the model's own dtype
+    tensors = [(n, t.to(trainer.dtype) if t.is_floating_point() else t) for n, t in tensors]
     if trainer.is_rank0:
         os.makedirs(out_dir, exist_ok=True)
         trainer.config.save_pretrained(out_dir)

@@ -396,6 +396,9 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     torch.set_num_threads(cfg.train.torch_threads)
     rank = init_pool_from_env(cfg.train.collective_timeout_s, endpoints.learner_device)
     trainer = Trainer.from_config(cfg, LayoutSpec.from_allocation(cfg.allocation), device=endpoints.learner_device)
+    if rank == 0:
+        _log(f"precision: {trainer.precision_policy}")  # model.dtype computes; train.master_dtype holds the state
+        _log(f"memory: {trainer.memory_policy}")  # model.enable_gradient_checkpointing, train.logits_chunk_tokens
     ckpt = CheckpointManager.from_config(cfg.train, run_dir=run_dir)
     try:  # every rank; verified first, falls back past an unusable newest checkpoint (`auto`)
         extra = ckpt.resume(trainer, explicit=incarnation == 0, log=_log)

@@ -25,6 +25,12 @@ layout: each is a `_ModelShard` — this rank's pipeline stage of the model, TP-
 optimizer and dp reducer. Only the last pipeline stage computes losses, advantages and the outputs
 of forward-only passes; the others move activations.
 
+Memory: no [tokens × vocab] logits. A language model's last stage returns its final hidden states;
+logprobs (and the entropy statistic) run `lm_head` on `train.logits_chunk_tokens` loss positions at
+a time, each chunk recomputed in backward (`logprobs.chunked_token_logprobs`); forward-only passes
+stream their micro-batches, keeping per-token results only. `model.enable_gradient_checkpointing`
+recomputes each decoder layer of the actor and critic in backward (parallelize.py, step 3).
+
 What this module does not do: no buffer reads (the caller passes groups), no weight transport
 (`named_tensors_for_push` hands full tensors to rank 0's pusher), no process-group init; batching,
 the LR schedule and checkpoints live beside it (batching.py, schedule.py, checkpoint.py).
@@ -72,10 +78,11 @@ from areal_like.learner.batching import (
     step_skip_reason,
     unpack_rows,
 )
-from areal_like.learner.logprobs import token_logprobs_from_logits
+from areal_like.learner.logprobs import chunked_token_logprobs
 from areal_like.learner.parallel.layout import LayoutSpec, ParallelLayout
 from areal_like.learner.parallel.parallelize import (
     DataParallelReducer,
+    apply_activation_checkpointing,
     build_pipeline_schedule,
     local_tensor,
     parallelize_model,
@@ -99,10 +106,20 @@ class _ModelShard:
 
     Full-model names/shapes are kept in push order (what `save_pretrained` writes), so full tensors
     can be gathered on rank 0 with HF names whatever the layout.
+
+    Mixed precision (Megatron's layout): the model's parameters are in the compute dtype
+    (`model.dtype`); with a 16-bit compute dtype and `train.master_dtype=float32` the optimizer owns
+    fp32 master copies (`self.master`, same DTensor placements). Each backward's 16-bit gradient is
+    added, cast, into the master's fp32 `.grad` as soon as it is made (a post-accumulate-grad hook
+    that frees the 16-bit one), so micro-batches accumulate in fp32 and the dp all-reduce, norm,
+    clipping and AdamW run in fp32;
+    `step` copies the masters back into the model (one rounding). The master is the state: pushes
+    and checkpoints read it (`state_tensors`). Learner state per parameter: 2 (bf16 params) + 4
+    (fp32 grads) + 4 (master) + 8 (AdamW m, v) = 18 bytes, vs 8 for a pure-bf16 optimizer.
     """
 
     def __init__(self, hf_model: nn.Module, layout: ParallelLayout, *, trainable: bool, out_dim: int | None,
-                 train_cfg: TrainConfig) -> None:
+                 train_cfg: TrainConfig, checkpoint_layers: bool = False) -> None:
         self.layout = layout
         self.config = hf_model.config
         self.out_dim = out_dim
@@ -111,21 +128,43 @@ class _ModelShard:
         full = [(n, p) for n, p in hf_model.named_parameters()]
         full += [(n, b) for n, b in hf_model.named_buffers() if n in persistent]
         self.full_meta = [(n, tuple(t.shape), t.dtype, self._stage_of(n)) for n, t in full]
+        compute = next((t.dtype for _, t in full if t.is_floating_point()), torch.float32)
+        master = DTYPES[train_cfg.master_dtype]
+        self.master_dtype = master if trainable and master != compute else None  # None: no separate master
+        param_names = {n for n, _ in hf_model.named_parameters()}
+        # The dtypes as `state_tensors` holds them (the master's for parameters): what gathers carry.
+        self.state_meta = [(n, shape, self.master_dtype if self.master_dtype is not None and n in param_names
+                            and dt.is_floating_point else dt, st) for n, shape, dt, st in self.full_meta]
         # Parallelism, in the fixed order (parallelize.py): pp split → tp → dp (the reducer).
         self.stage_module = parallelize_model(hf_model, layout)
+        apply_activation_checkpointing(self.stage_module, checkpoint_layers and trainable)  # step 3
+        # A language model's last stage outputs hidden states; its head (`lm_head`) runs in the loss,
+        # in token chunks (train.logits_chunk_tokens). A critic's (hidden → 1) value head stays in the stage.
+        self.stage_module.return_hidden = out_dim is None
+        self.head = self.stage_module.hf.lm_head if layout.is_last_stage else None
         self.local = [(n.removeprefix("hf."), p) for n, p in self.stage_module.named_parameters()]
         self.local += [(n.removeprefix("hf."), b) for n, b in self.stage_module.named_buffers()
                        if n.removeprefix("hf.") in persistent]
         self.optimizer = None
         self.params: list[nn.Parameter] = []
+        self.master: list[nn.Parameter] = []  # the optimizer's parameters when master_dtype is set
+        self.master_by_name: dict[str, nn.Parameter] = {}
+        self.opt_params: list[nn.Parameter] = []
         if trainable:
-            self.params = [p for _, p in self.local if isinstance(p, nn.Parameter) and p.requires_grad]
-            self.reducer = DataParallelReducer(self.params, layout)
+            named = [(n, p) for n, p in self.local if isinstance(p, nn.Parameter) and p.requires_grad]
+            self.params = [p for _, p in named]
+            if self.master_dtype is not None:
+                self.master = [nn.Parameter(p.detach().to(self.master_dtype).clone()) for p in self.params]
+                self.master_by_name = {n: m for (n, _), m in zip(named, self.master)}
+                for p, m in zip(self.params, self.master):
+                    p.register_post_accumulate_grad_hook(lambda p, m=m: self._grad_to_master(p, m))
+            self.opt_params = self.master or self.params
+            self.reducer = DataParallelReducer(self.opt_params, layout)
             betas = tuple(float(b) for b in train_cfg.adam_betas)
             if len(betas) != 2:
                 raise ValueError(f"train.adam_betas must have 2 entries, got {train_cfg.adam_betas}")
             # foreach=False: DTensor and plain-tensor parameters share one param group.
-            self.optimizer = torch.optim.AdamW(self.params, lr=train_cfg.lr, betas=betas,  # type: ignore[arg-type]
+            self.optimizer = torch.optim.AdamW(self.opt_params, lr=train_cfg.lr, betas=betas,  # type: ignore[arg-type]
                                                eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay,
                                                foreach=False)
         else:
@@ -149,6 +188,47 @@ class _ModelShard:
     def zero_grad(self) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+            for p in self.params if self.master else ():
+                p.grad = None
+
+    @staticmethod
+    def _grad_to_master(p: torch.Tensor, m: torch.Tensor) -> None:
+        """Move a 16-bit gradient into the master's `.grad`: accumulated over micro-batches in the
+        master dtype (as Megatron's main_grad), the 16-bit one freed as soon as backward made it."""
+        if p.grad is None:
+            return
+        if m.grad is None:
+            m.grad = p.grad.to(m.dtype)
+        else:
+            m.grad.add_(p.grad)
+        p.grad = None
+
+    def reduce_grads(self) -> None:
+        """Gradients onto the optimizer's parameters, then the dp SUM all-reduce — in the master
+        dtype. With a master, each backward's 16-bit gradient already went to the master's fp32
+        `.grad` (a post-accumulate-grad hook); a gradient set some other way is moved here."""
+        for p, m in zip(self.params, self.master):
+            self._grad_to_master(p, m)
+        self.reducer.all_reduce_grads()
+
+    def step(self) -> None:
+        """AdamW on the optimizer's parameters, then master → model (cast to the compute dtype)."""
+        assert self.optimizer is not None
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                local_tensor(p).copy_(local_tensor(m))
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors by HF name, parameters as the optimizer holds them (the fp32 master
+        where there is one): what pushes, checkpoints and exports read."""
+        return {n: self.master_by_name.get(n, t) for n, t in self.local}
+
+    def grad_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients of the optimizer's parameters by HF name (after `reduce_grads`: reduced)."""
+        return {n: self.master_by_name.get(n, p).grad for n, p in self.local  # type: ignore[misc]
+                if isinstance(p, nn.Parameter) and self.master_by_name.get(n, p).grad is not None}
 
     def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the full gradient (as `clip_grad_norm_` of one process), then clip.
@@ -162,7 +242,7 @@ class _ModelShard:
         dev = self.params[0].device if self.params else torch.device("cpu")
         sq_shard = torch.zeros((), device=dev)
         sq_repl = torch.zeros((), device=dev)
-        for p in self.params:
+        for p in self.opt_params:
             if p.grad is None:
                 continue
             g = p.grad
@@ -177,18 +257,21 @@ class _ModelShard:
             dist.all_reduce(total, group=L.pp_group)
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the formula of clip_grad_norm_
-        for p in self.params:
+        for p in self.opt_params:
             if p.grad is not None:
                 local_tensor(p.grad).mul_(coef)
         return norm
 
-    def gather_full(self, local: dict[str, torch.Tensor], device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """Full unsharded tensors in `full_meta` order on rank 0 ([] elsewhere). Collective: every
-        rank calls it. DTensors are all-gathered over tp; stage s's (dp 0, tp 0) rank sends its
-        tensors to rank 0 flattened (one message per dtype) over the pool's world group."""
+    def gather_full(self, local: dict[str, torch.Tensor] | None, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """Full unsharded tensors in `full_meta` order on rank 0 ([] elsewhere); `local` None = the
+        state (`state_tensors`: the master where there is one). Collective: every rank calls it.
+        DTensors are all-gathered over tp; stage s's (dp 0, tp 0) rank sends its tensors to rank 0
+        flattened (one message per dtype) over the pool's world group. Parameters (and gradients)
+        travel in the state's dtype (`state_meta`), buffers in their own."""
         from torch.distributed.tensor import DTensor
 
         L = self.layout
+        local = self.state_tensors() if local is None else local
         full_local = {}
         for name, _, _, stage in self.full_meta:  # same order on every tp rank: the all-gathers pair up
             if stage == L.pp_rank and name in local:
@@ -196,7 +279,7 @@ class _ModelShard:
                 full_local[name] = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
         if L.pp > 1:
             for s in range(1, L.pp):
-                metas = [m for m in self.full_meta if m[3] == s]
+                metas = [m for m in self.state_meta if m[3] == s]
                 for dt in sorted({m[2] for m in metas}, key=str):
                     part = [m for m in metas if m[2] == dt]
                     if L.rank == 0:
@@ -224,11 +307,15 @@ class _ModelShard:
                     if self.tied and name == "lm_head.weight":
                         continue  # tied to model.embed_tokens.weight, loaded through it
                     raise KeyError(f"{where} lacks {name}")
-                if isinstance(t, DTensor):
-                    shard = distribute_tensor(full[name].to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
-                    t.to_local().copy_(shard.to_local())
-                else:
-                    t.copy_(full[name])
+                for dst in (t, self.master_by_name.get(name)):  # the master from the file, not from t
+                    if dst is None:
+                        continue
+                    if isinstance(dst, DTensor):
+                        shard = distribute_tensor(full[name].to(dst.dtype), dst.device_mesh, dst.placements,
+                                                  src_data_rank=None)
+                        dst.to_local().copy_(shard.to_local())
+                    else:
+                        dst.copy_(full[name])
 
     def optimizer_state(self) -> dict[str, Any]:
         """weights_only-loadable optimizer state: DTensor state → this rank's local shard."""
@@ -244,8 +331,8 @@ class _ModelShard:
         from torch.distributed.tensor import DTensor
 
         assert self.optimizer is not None
-        self.optimizer.load_state_dict(osd)
-        for p in self.params:  # local shards back to DTensors like their parameter
+        self.optimizer.load_state_dict(osd)  # casts floating state to the parameters' (master) dtype
+        for p in self.opt_params:  # local shards back to DTensors like their parameter
             if isinstance(p, DTensor):
                 st = self.optimizer.state.get(p, {})
                 for k, v in list(st.items()):
@@ -286,14 +373,22 @@ class Trainer:
         ref: RefConfig | None = None,
         reward: RewardShapingConfig | None = None,
         max_new_tokens: int | None = None,
-        compute_entropy: bool = True,
+        compute_entropy: bool | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)} (model.dtype)")
+        md = train_cfg.master_dtype
+        if md not in DTYPES or (md != "float32" and md != dtype):
+            raise ValueError(f"train.master_dtype={md} with model.dtype={dtype}: use train.master_dtype=float32 "
+                             f"(or train.master_dtype={dtype}, a pure {dtype} optimizer)")
         if train_cfg.micro_batch_tokens < 2:
             raise ValueError("train.micro_batch_tokens must be ≥ 2: set train.micro_batch_tokens=8192")
+        if train_cfg.logits_chunk_tokens < 0:
+            raise ValueError(f"train.logits_chunk_tokens={train_cfg.logits_chunk_tokens}: use ≥ 1 (e.g. 1024), "
+                             f"or 0 (unchunked)")
         if not isinstance(layout, ParallelLayout):
             spec = layout if isinstance(layout, LayoutSpec) else (
                 LayoutSpec() if layout is None else LayoutSpec.from_string(layout))
@@ -308,7 +403,7 @@ class Trainer:
         self.temperature = float(temperature)
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.compute_entropy = compute_entropy
+        self.compute_entropy = train_cfg.compute_entropy if compute_entropy is None else compute_entropy
         self.max_new_tokens = max_new_tokens
         if self.reward_cfg.overlong_buffer_len > 0 and max_new_tokens is None:
             raise ValueError("reward.overlong_buffer_len needs the generation length: pass max_new_tokens")
@@ -323,15 +418,24 @@ class Trainer:
         actor = load(model_path)
         self.config = actor.config
         self.pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
-        self.actor = _ModelShard(actor, layout, trainable=True, out_dim=None, train_cfg=train_cfg)
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.actor = _ModelShard(actor, layout, trainable=True, out_dim=None, train_cfg=train_cfg,
+                                 checkpoint_layers=self.gradient_checkpointing)
         self.critic: _ModelShard | None = None
         if self.alg.adv_estimator == "gae":
             self.critic = _ModelShard(_value_head_model(load(self.critic_cfg.path or model_path)), layout,
-                                      trainable=True, out_dim=1, train_cfg=train_cfg)
+                                      trainable=True, out_dim=1, train_cfg=train_cfg,
+                                      checkpoint_layers=self.gradient_checkpointing)
         self.ref: _ModelShard | None = None
         if self.alg.kl_loss_on or self.alg.kl_reward_on:
             self.ref = _ModelShard(load((ref or RefConfig()).path or model_path), layout, trainable=False,
                                    out_dim=None, train_cfg=train_cfg)
+        if self.is_rank0:
+            log.info("learner precision: %s", self.precision_policy)
+            if md == dtype != "float32":
+                log.warning("train.master_dtype=%s: pure %s optimizer — master weights, gradient reduction and "
+                            "AdamW state in %s (updates below its precision round away); float32 is the default",
+                            md, md, md)
         self.step = 0  # train_step calls completed (skipped ones included: their groups are consumed)
         self.skipped_steps = 0  # optimizer steps skipped by the finite check
         self.version = -1  # policy version of the weights last trained
@@ -341,7 +445,23 @@ class Trainer:
                     device: str = "cpu") -> "Trainer":
         return cls(cfg.model.path, cfg.train, layout, temperature=cfg.generation.temperature, device=device,
                    dtype=cfg.model.dtype, algorithm=cfg.algorithm, critic=cfg.critic, ref=cfg.ref,
-                   reward=cfg.reward, max_new_tokens=cfg.generation.max_new_tokens)
+                   reward=cfg.reward, max_new_tokens=cfg.generation.max_new_tokens,
+                   gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+
+    @property
+    def memory_policy(self) -> str:
+        """One line: activation checkpointing and the logits chunk (logged at start)."""
+        chunk = self.cfg.logits_chunk_tokens
+        return (f"gradient checkpointing {'on' if self.gradient_checkpointing else 'off'} "
+                f"(actor{', critic' if self.critic is not None else ''}); "
+                + (f"logits in chunks of {chunk} tokens" if chunk else "logits unchunked"))
+
+    @property
+    def precision_policy(self) -> str:
+        """One line: compute, master, grad-reduce and optimizer-state dtypes (logged at start)."""
+        c = str(self.dtype).removeprefix("torch.")
+        m = self.cfg.master_dtype
+        return f"compute {c}, master {m}, grad reduce {m}, AdamW state {m}"
 
     @property
     def is_rank0(self) -> bool:
@@ -356,44 +476,41 @@ class Trainer:
 
     # ---- forward-only passes (before any update) -------------------------------------------------
     @torch.no_grad()
-    def _forward_only(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]):
-        """(micro-batch, last-stage output or None) per micro-batch of `rows`. With p > 1 the stages
-        pass activations with point-to-point sends inside the pp group (GPipe order, forward only)."""
+    def _forward_only(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int], keep) -> SampleArrays:
+        """Per-token results of `rows`, streamed: each micro-batch's last-stage output goes through
+        `keep(mb, y) -> per-token tensor (B, T−1)` at once and is dropped (never every micro-batch's
+        output at once). With p > 1 the stages pass activations with point-to-point sends inside the
+        pp group (GPipe order, forward only); only the last stage returns results."""
         L = self.layout
-        out = []
+        arrays: SampleArrays = {}
         for mb in pack(samples, rows, micro_batch_tokens=self.cfg.micro_batch_tokens, pad_id=self.pad_id,
                        device=self.device):
-            if L.pp == 1:
-                out.append((mb, shard.stage_module(mb.input_ids_BT)))
-                continue
             B, T = mb.input_ids_BT.shape
-            if L.is_first_stage:
+            if L.pp == 1 or L.is_first_stage:
                 x = mb.input_ids_BT
             else:
                 x = torch.empty(B, T, shard.config.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(x, group=L.pp_group, group_src=L.pp_rank - 1)
             y = shard.stage_module(x)
             if L.is_last_stage:
-                out.append((mb, y))
+                arrays.update(unpack_rows(mb, keep(mb, y)))
             else:
                 dist.send(y.contiguous(), group=L.pp_group, group_dst=L.pp_rank + 1)
-                out.append((mb, None))
-        return out
+            del y
+        return arrays
 
     def _forward_logprobs(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
-        arrays: SampleArrays = {}
-        for mb, logits_BTV in self._forward_only(shard, samples, rows):
-            if logits_BTV is not None:
-                lp = token_logprobs_from_logits(logits_BTV[:, :-1], mb.input_ids_BT[:, 1:], self.temperature)
-                arrays.update(unpack_rows(mb, lp))
-        return arrays
+        """π's logprobs on the loss positions (0 elsewhere), the head run in token chunks."""
+        def keep(mb, h_BTH):
+            lp, _ = chunked_token_logprobs(h_BTH[:, :-1], shard.head, mb.input_ids_BT[:, 1:], self.temperature,
+                                           positions_BT=mb.loss_mask_BT1 > 0,
+                                           chunk_tokens=self.cfg.logits_chunk_tokens)
+            return lp
+
+        return self._forward_only(shard, samples, rows, keep)
 
     def _forward_values(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
-        arrays: SampleArrays = {}
-        for mb, v_BT1 in self._forward_only(shard, samples, rows):
-            if v_BT1 is not None:
-                arrays.update(unpack_rows(mb, v_BT1[:, :-1, 0]))
-        return arrays
+        return self._forward_only(shard, samples, rows, lambda mb, v_BT1: v_BT1[:, :-1, 0])
 
     # ---- advantages (last pipeline stage) -------------------------------------------------------
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -488,14 +605,20 @@ class Trainer:
 
     def _actor_loss_fn(self, acc: dict[str, torch.Tensor], loss_tokens: int, num_seqs: int, version: int,
                        recomputed: bool):
-        """loss(logits (B, T, V), targets (B, T−1, C)) of one micro-batch; accumulates its stats."""
+        """loss(hidden (B, T, H), targets (B, T−1, C)) of one micro-batch; accumulates its stats.
+
+        The logprobs (and entropy) come from the last hidden states through `lm_head` in chunks of
+        `train.logits_chunk_tokens` loss positions (0 elsewhere): no [B × T × V] logits."""
         cfg, alg = self.cfg, self.alg
         agg = dict(loss_tokens_global=loss_tokens, num_seqs_global=num_seqs, loss_norm_const=self.loss_norm_const)
+        head = self.actor.head
+        want_entropy = self.compute_entropy or alg.entropy_coef > 0
 
-        def loss_fn(logits_BTV: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-            logits_BT1V = logits_BTV[:, :-1]
+        def loss_fn(h_BTH: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
             mask = tgt[..., CH_MASK]
-            logp = token_logprobs_from_logits(logits_BT1V, tgt[..., CH_IDS].long(), self.temperature)
+            logp, ent_BT1 = chunked_token_logprobs(h_BTH[:, :-1], head, tgt[..., CH_IDS].long(), self.temperature,
+                                                   positions_BT=mask > 0, chunk_tokens=cfg.logits_chunk_tokens,
+                                                   with_entropy=want_entropy, entropy_grad=alg.entropy_coef > 0)
             prox = self._proximal(logp, tgt, version, recomputed)
             loss, st = A.decoupled_ppo_loss(
                 logp, prox, tgt[..., CH_BEHAV], tgt[..., CH_ADV], mask,
@@ -521,9 +644,8 @@ class Trainer:
                 acc["kl_ref"] += (kl.detach() * mask).sum() / max(loss_tokens, 1)
                 if alg.kl_loss_on and alg.kl_loss_coef > 0:
                     loss = loss + alg.kl_loss_coef * A.aggregate_loss(kl, mask, cfg.loss_agg_mode, **agg)
-            if self.compute_entropy or alg.entropy_coef > 0:
-                ent = A.entropy_from_logits(logits_BT1V if alg.entropy_coef > 0 else logits_BT1V.detach(),
-                                            self.temperature)
+            if ent_BT1 is not None:
+                ent = ent_BT1 if alg.entropy_coef > 0 else ent_BT1.detach()
                 acc["entropy"] += (ent.detach() * mask).sum() / max(loss_tokens, 1)
                 if alg.entropy_coef > 0:
                     loss = loss - alg.entropy_coef * A.aggregate_loss(ent, mask, cfg.loss_agg_mode, **agg)
@@ -577,12 +699,13 @@ class Trainer:
         schedule = build_pipeline_schedule(shard.stage_module, L, n_microbatches=n, loss_fn=loss_fn,
                                            schedule=self.cfg.pp_schedule, device=self.device,
                                            microbatch_shape=(ids_BT.shape[0] // n, T), out_dim=shard.out_dim)
+        # return_outputs=False: the loss ran per micro-batch; the last stage keeps no merged outputs
         if L.is_first_stage:
-            schedule.step(ids_BT)
+            schedule.step(ids_BT, return_outputs=False)
         elif L.is_last_stage:
-            schedule.step(target=tgt)
+            schedule.step(target=tgt, return_outputs=False)
         else:
-            schedule.step()
+            schedule.step(return_outputs=False)
 
     def _reduce(self, sums: torch.Tensor, maxes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stats of the global (mini)batch: sums over dp and pp (only the last stage computed a loss)."""
@@ -600,7 +723,7 @@ class Trainer:
 
         Host sync: the ONLY one of an optimizer step — grad norm, loss and `extra` stats in one copy.
         Every rank holds the same reduced values, so every rank takes the same decision."""
-        shard.reducer.all_reduce_grads()
+        shard.reduce_grads()  # to the master dtype, then the dp all-reduce
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else float("inf")
         norm = shard.grad_norm_and_clip(max_norm)
         fetched = torch.cat([torch.stack([norm.float(), loss.float()]), extra.float()]).tolist()
@@ -615,8 +738,7 @@ class Trainer:
             assert shard.optimizer is not None
             for g in shard.optimizer.param_groups:
                 g["lr"] = lr
-            shard.optimizer.step()
-            shard.optimizer_steps += 1
+            shard.step()  # AdamW, then master → model
         return grad_norm, skip, lr, rest
 
     # ---- the step ---------------------------------------------------------------------------------
@@ -711,7 +833,8 @@ class Trainer:
             "loss": st["loss"], "reward_mean": float(rewards_N.mean()), "reward_std": float(rewards_N.std()),
             "score_mean": float(scores_N.mean()), "adv_abs_mean": st["adv_abs_mean"],
             "grad_norm": float(np.mean(applied)) if applied else float(norms[-1]) if norms else float("nan"),
-            **{k: st[k] for k in ("clipfrac", "dual_clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "entropy")},
+            **{k: st[k] for k in ("clipfrac", "dual_clipfrac", "approx_kl", "ratio_mean", "behav_w_mean")},
+            "entropy": st["entropy"] if self.compute_entropy or self.alg.entropy_coef > 0 else float("nan"),
             "ratio_max": mx["ratio_max"], "behav_w_max": mx["behav_w_max"], "behav_w_min": -mx["neg_behav_w_min"],
             "behav_tokens_capped": int(round(st["behav_tokens_capped"])),
             "kl_ref": st["kl_ref"] if self.ref is not None else None,
@@ -730,14 +853,14 @@ class Trainer:
     def named_tensors_for_push(self) -> list[tuple[str, torch.Tensor]]:
         """The actor's HF-named FULL tensors on rank 0 (what `save_pretrained` writes); [] on every
         other rank. Collective: call it on every rank. On rank 0 the stage-0 tensors alias the live
-        weights (tp=1): send them before the next `train_step`."""
-        return self.actor.gather_full(dict(self.actor.local), self.device)
+        weights (tp=1): send them before the next `train_step`. Parameters come from the optimizer's
+        master (fp32 with a 16-bit `model.dtype`): the push casts them once, to `server.dtype`."""
+        return self.actor.gather_full(None, self.device)
 
     def named_full_grads(self) -> list[tuple[str, torch.Tensor]]:
         """The actor's full gradients of the last optimizer step (after dp reduction and clipping)
         on rank 0, HF names; for tests. Collective."""
-        return self.actor.gather_full({n: p.grad for n, p in self.actor.local
-                                       if isinstance(p, nn.Parameter) and p.grad is not None}, self.device)
+        return self.actor.gather_full(self.actor.grad_tensors(), self.device)
 
     def barrier(self) -> None:
         self.layout.barrier()  # the host (gloo) world group, under its timeout

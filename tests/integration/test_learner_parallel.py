@@ -5,7 +5,9 @@ single-process oracle written here (one padded batch, the published loss; fp32, 
 
 A second config per layout — GAE with its critic, a KL loss to the frozen reference and two PPO
 minibatches (so π_prox is recomputed by a forward-only pass, on a pipeline too) — must give the
-same losses, KL, value loss, actor and critic weights as the `Trainer` in one process.
+same losses, KL, value loss, actor and critic weights as the `Trainer` in one process. The layouts
+run it with activation checkpointing (actor and critic) and logits in chunks of 5 tokens; the
+one-process run with neither (`train.logits_chunk_tokens=0`): both memory knobs change no number.
 
 Two spawns in all (2 ranks, then 4): each rank builds every layout of its world size in turn on
 the same process group, so the test pays the interpreter start-up twice, not once per layout."""
@@ -73,8 +75,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                     json.dump({k: st[k] for k in ("loss", "grad_norm", "loss_tokens", "skipped", "clipfrac",
                                                   "entropy", "behav_w_max")}, f)
             del ln
-            ext = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched or "1f1b", collective_timeout_s=120),
-                          layout, temperature=TEMP, algorithm=EXT_ALG)
+            ext = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched or "1f1b", collective_timeout_s=120,
+                                                 logits_chunk_tokens=5),
+                          layout, temperature=TEMP, algorithm=EXT_ALG, gradient_checkpointing=True)
             st = ext.train_step(groups, version=0)
             weights = ext.named_tensors_for_push()
             critic = ext.critic.gather_full(dict(ext.critic.local), ext.device)
@@ -156,7 +159,8 @@ def ext_reference(model_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ln = Trainer(model_dir, TrainConfig(**EXT_CFG), None, temperature=TEMP, algorithm=EXT_ALG)
+        ln = Trainer(model_dir, TrainConfig(**EXT_CFG, logits_chunk_tokens=0), None, temperature=TEMP,
+                     algorithm=EXT_ALG)
         st = ln.train_step(synthetic_groups(7), version=0)
         critic = dict(ln.critic.gather_full(dict(ln.critic.local), ln.device))
         return st, dict(ln.named_tensors_for_push()), critic

@@ -5,7 +5,8 @@ here, afterwards, in this fixed order (as torchtitan):
 
     1. pipeline split   `split_pipeline_stage`  — keep only this stage's layers (HF names kept)
     2. tensor parallel  `apply_tensor_parallel` — DTensor plans on the attention/MLP projections
-    3. (activation checkpointing, compile: not applied — tiny CPU models do not need them)
+    3. activation checkpointing `apply_activation_checkpointing` — per decoder layer (opt-in;
+                         compile: not applied)
     4. data parallel    `DataParallelReducer`   — gradient all-reduce over the dp group, last,
                          because it must see the final (TP-sharded, stage-local) parameters
 
@@ -56,6 +57,10 @@ class PipelineStageModule(nn.Module):
         self.layer_ids = layer_ids
         self.first = first
         self.last = last
+        # Set by the learner: the last stage returns the final-norm hidden states (B, T, H) instead
+        # of lm_head's output, so the log-probabilities run the head in token chunks (logprobs.py).
+        self.return_hidden = False
+        self.checkpoint_layers = False  # step 3: recompute each decoder layer in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -67,11 +72,20 @@ class PipelineStageModule(nn.Module):
         mask = create_causal_mask(config=inner.config, inputs_embeds=h_BTH, attention_mask=None,
                                   past_key_values=None, position_ids=position_ids)
         position_embeddings = inner.rotary_emb(h_BTH, position_ids)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for i in self.layer_ids:
-            h_BTH = inner.layers[i](h_BTH, attention_mask=mask, position_embeddings=position_embeddings,
-                                    position_ids=position_ids)
+            if recompute:
+                from torch.utils.checkpoint import checkpoint
+
+                h_BTH = checkpoint(inner.layers[i], h_BTH, attention_mask=mask,
+                                   position_embeddings=position_embeddings, position_ids=position_ids,
+                                   use_reentrant=False)
+            else:
+                h_BTH = inner.layers[i](h_BTH, attention_mask=mask, position_embeddings=position_embeddings,
+                                        position_ids=position_ids)
         if self.last:
-            return self.hf.lm_head(inner.norm(h_BTH))  # (B, T, V) logits
+            h_BTH = inner.norm(h_BTH)
+            return h_BTH if self.return_hidden else self.hf.lm_head(h_BTH)  # (B, T, H) | (B, T, V) logits
         return h_BTH
 
 
@@ -116,7 +130,8 @@ def build_pipeline_schedule(stage_module: PipelineStageModule, layout: ParallelL
     meta = torch.device("meta")
     x = (torch.empty(B, T, dtype=torch.int64, device=meta) if stage_module.first
          else torch.empty(B, T, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True))  # ∂L/∂h goes back
-    last_dim = cfg.vocab_size if out_dim is None else out_dim  # logits, or 1 for a critic's value head
+    # hidden states (the loss runs the head in chunks), logits, or 1 for a critic's value head
+    last_dim = cfg.hidden_size if stage_module.return_hidden else cfg.vocab_size if out_dim is None else out_dim
     y = torch.empty(B, T, last_dim if stage_module.last else cfg.hidden_size, dtype=dtype, device=meta,
                     requires_grad=True)
     stage = PipelineStage(stage_module, layout.pp_rank, layout.pp, device, input_args=x, output_args=y,
@@ -175,6 +190,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 class DataParallelReducer:
     """SUM-all-reduce of all gradients over the dp group, in flattened buckets of `bucket_bytes`.
 
+    `params` are the optimizer's parameters: with a 16-bit `model.dtype` and an fp32 master
+    (`train.master_dtype`) these are the fp32 masters, whose `.grad` accumulated the 16-bit model
+    gradients of every micro-batch in fp32 (`_ModelShard._grad_to_master`) — so the reduction runs in fp32.
+
     Called once per optimizer step, after the last micro-batch's backward (no overlap with the
     backward pass — fine for the models this runs on; DDP-style hooks would add overlap). A
     parameter without a gradient on this rank (it got no samples) joins with zeros, so every dp
@@ -223,3 +242,12 @@ def parallelize_model(hf_model: nn.Module, layout: ParallelLayout) -> PipelineSt
     stage = split_pipeline_stage(hf_model, layout)  # 1
     apply_tensor_parallel(stage, layout)  # 2
     return stage
+
+
+def apply_activation_checkpointing(stage: PipelineStageModule, enabled: bool = True) -> None:
+    """Step 3: recompute every decoder layer of this stage in the backward pass (non-reentrant
+    `torch.utils.checkpoint`, which works on TP-sharded DTensor layers and inside pipeline stages);
+    only the layer inputs are kept. Applied in the stage's own loop, not through HF's
+    `gradient_checkpointing_enable`, which only acts in train() mode (the learner runs eval(): no
+    dropout) and not on a stage's hand-run layers."""
+    stage.checkpoint_layers = bool(enabled)

@@ -1,0 +1,57 @@
+"""Mixed precision through `launcher run` (issue 25 item 3): the demo with model.dtype=bfloat16
+trains with an fp32 master (the learner log states the policy; the checkpoint holds the fp32
+master), `train.master_dtype=bfloat16` is accepted with its warning, and a master dtype that is
+neither float32 nor the compute dtype is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from safetensors import safe_open
+
+pytestmark = pytest.mark.integration
+
+SHORT = ("model.dtype=bfloat16", "train.total_steps=4", "train.batch_size=4", "generation.n=8",
+         "train.test_freq=0", "train.save_freq=4")
+
+
+def _learner_log(run_dir) -> str:
+    return (run_dir / "logs" / "learner.log").read_text()
+
+
+def test_bf16_demo_trains_with_an_fp32_master(tmp_path, run_launcher):
+    run_dir = tmp_path / "run"
+    rc, out = run_launcher(run_dir, *SHORT)
+    assert rc == 0, out[-4000:]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model"]["dtype"] == "bfloat16" and config["train"]["master_dtype"] == "float32"
+    log = _learner_log(run_dir)
+    assert "precision: compute bfloat16, master float32, grad reduce float32, AdamW state float32" in log
+    assert "pure bfloat16 optimizer" not in log
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows if not r["skipped"])
+    ck = run_dir / "checkpoints" / "step_00000004"
+    assert json.loads((ck / "meta.json").read_text())["master_dtype"] == "float32"
+    with safe_open(str(ck / "model.safetensors"), "pt") as f:  # the fp32 master, not the bf16 copy
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.float32"}
+
+
+def test_pure_bf16_master_is_accepted_with_a_warning(tmp_path, run_launcher):
+    run_dir = tmp_path / "run"
+    rc, out = run_launcher(run_dir, *SHORT, "train.master_dtype=bfloat16")
+    assert rc == 0, out[-4000:]
+    log = _learner_log(run_dir)
+    assert "precision: compute bfloat16, master bfloat16, grad reduce bfloat16, AdamW state bfloat16" in log
+    assert "train.master_dtype=bfloat16: pure bfloat16 optimizer" in log  # never chosen silently
+    with safe_open(str(run_dir / "checkpoints" / "step_00000004" / "model.safetensors"), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
+
+
+def test_a_master_dtype_neither_fp32_nor_the_compute_dtype_is_refused(tmp_path, run_launcher):
+    run_dir = tmp_path / "run"
+    rc, out = run_launcher(run_dir, "model.dtype=bfloat16", "train.master_dtype=float16", timeout=60)
+    assert rc != 0 and "train.master_dtype=float16 with model.dtype=bfloat16" in out, out[-2000:]
+    assert "redis-server pid" not in out  # nothing was started
