@@ -19,6 +19,15 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nodes", type=int, default=None, help="number of nodes (default: one node, just big enough)")
     plan.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default 8 with --nodes)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    plan.add_argument("--model", default=None,
+                      help="HF model dir or config.json: add the memory of every device (learner state, activations, "
+                           "servers' weights and KV cache) and whether it fits")
+    plan.add_argument("--config", default=None, help="YAML experiment config the memory plan reads (default: defaults)")
+    plan.add_argument("--seq-len", type=int, default=None,
+                      help="longest sequence, tokens (default: the config's resolved max context length)")
+    plan.add_argument("--micro-batch-tokens", type=int, default=None, help="default: train.micro_batch_tokens")
+    plan.add_argument("--device-memory", default="80GB", help="memory of one device, e.g. 80GB, 80GiB, 141GB")
+    plan.add_argument("overrides", nargs="*", help="config overrides, a.b.c=value (as `launcher run`)")
 
     run = sub.add_parser("run", help="start a training run and supervise it until it ends")
     run.add_argument("--allocation", default=None, help="allocation string (default: the config's `allocation`)")

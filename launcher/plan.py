@@ -5,6 +5,14 @@ Parses ``--allocation``, places it on ``--nodes × --devices-per-node`` devices 
 defaults) and prints a table, or with ``--json`` exactly one JSON object (`Placement.to_dict`).
 A bad allocation or a cluster that is too small prints the parser's message on stderr and
 returns 2. Pure: imports neither torch nor redis, starts nothing.
+
+With ``--model DIR|config.json`` it adds the memory of every device (`allocation.memory`): the
+learner ranks' parameters, gradients, optimizer state, activations, logits chunk, reference and
+critic, the servers' weights and KV-cache room, each device marked when over ``--device-memory``,
+and the knobs that would make it fit. The learner's settings come from the experiment config as
+`launcher run` reads it (defaults, ``--config``, ``a.b.c=value`` overrides); the JSON gains a
+``memory`` object. `launcher run` refuses a plan that does not fit its CUDA devices with the same
+arithmetic (launcher/run.py `_check_memory`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import TextIO
 # install registered `allocation` as a namespace package.
 from allocation.errors import AllocationError
 from allocation.parser import parse_allocation
+from allocation.memory import format_memory
 from allocation.placement import Placement, place
 
 
@@ -91,8 +100,42 @@ def cmd_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     except AllocationError as exc:
         print(str(exc), file=err)
         return 2
+    memory = None
+    model = getattr(args, "model", None)
+    if model is None and (getattr(args, "overrides", None) or getattr(args, "config", None)):
+        print("config overrides and --config only shape the memory plan: add --model DIR|config.json", file=err)
+        return 2
+    if model is not None:
+        try:
+            memory = memory_plan(plan, model, config=getattr(args, "config", None),
+                                 overrides=list(getattr(args, "overrides", None) or []),
+                                 seq_len=getattr(args, "seq_len", None),
+                                 micro_batch_tokens=getattr(args, "micro_batch_tokens", None),
+                                 device_memory=getattr(args, "device_memory", None) or "80GB")
+        except ValueError as exc:  # ConfigError is a ValueError
+            print(str(exc), file=err)
+            return 2
     if args.json:
-        print(json.dumps(plan.to_dict()), file=out)
+        d = plan.to_dict()
+        if memory is not None:
+            d["memory"] = memory.to_dict()
+        print(json.dumps(d), file=out)
     else:
         print(format_table(plan), file=out)
+        if memory is not None:
+            print(format_memory(memory), file=out)
     return 0
+
+
+def memory_plan(plan: Placement, model: str, *, config: str | None, overrides: list[str], seq_len: int | None,
+                micro_batch_tokens: int | None, device_memory: str, suggest: bool = True):
+    """`allocation.memory.plan_memory` for a placement, with the learner's settings read from the
+    experiment config (defaults, `--config`, overrides: as `launcher run` reads them). Torch-free."""
+    from allocation.memory import ModelShape, TrainSettings, parse_bytes, plan_memory
+    from areal_like.api.config import load_config
+
+    cfg = load_config(config, overrides)
+    gen = plan.allocation.generation
+    settings = TrainSettings.from_config(cfg, sglang=gen is not None and gen.backend == "sglang", seq_len=seq_len,
+                                         micro_batch_tokens=micro_batch_tokens)
+    return plan_memory(plan, ModelShape.load(model), settings, parse_bytes(device_memory), suggest=suggest)

@@ -157,6 +157,7 @@ def cmd_run(args) -> int:
         _, n_servers, _ = _check_runnable(cfg, alloc)
         # every model/data/tools/workflow file checked before the run dir is created or anything starts
         _preflight(cfg)
+        _check_memory(cfg, alloc)
     except RunError as e:
         print(f"launcher run: {e}", file=sys.stderr)
         return 2
@@ -186,6 +187,50 @@ def _preflight(cfg) -> None:
         check_rollout_inputs(cfg, log=log)
     except PreflightError as e:
         raise RunError(str(e)) from None
+
+
+def cuda_device_memory() -> int | None:
+    """Smallest `memory.total` of this machine's GPUs (bytes) from `nvidia-smi`, or None where there is
+    no nvidia-smi or it answers nothing usable (the launcher never imports torch to ask)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        mib = [int(float(x)) for x in out.split() if x.strip()]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return min(mib) * 2**20 if mib else None
+
+
+def _check_memory(cfg, alloc) -> None:
+    """Refuse a plan whose devices cannot hold it (`launcher plan --model`'s arithmetic,
+    allocation/memory.py) — only where the roles run on CUDA devices (SGLang servers, or
+    `server.device=cuda…`: the learner then trains on its plan devices too) and their memory is known
+    from nvidia-smi. On CPU there is nothing to check: host memory is shared by every role."""
+    gen = alloc.generation
+    if not cfg.launcher.check_memory:
+        return
+    if gen is None or not (gen.backend == "sglang" or cfg.server.device.startswith("cuda")):
+        return
+    capacity = cuda_device_memory()
+    if capacity is None:
+        return
+    from allocation import place
+    from allocation.memory import ModelShape, TrainSettings, plan_memory, refusal_message
+
+    try:
+        shape = ModelShape.load(cfg.model.path)
+    except ValueError:
+        return  # not a decoder config the planner knows: nothing to say
+    settings = TrainSettings.from_config(cfg, sglang=gen.backend == "sglang")
+    plan = plan_memory(place(alloc), shape, settings, capacity)
+    if not plan.fits:
+        raise RunError(refusal_message(plan))
 
 
 RUN_LOCK = ".lock"

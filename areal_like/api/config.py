@@ -501,6 +501,11 @@ class LauncherConfig(_Section):
     log tail. Every restart is listed in summary.json (`restarts`)."""
     stop_timeout_s: float = 60.0
     """On Ctrl-C/stop, how long the learner may take to finish its step, checkpoint and commit."""
+    check_memory: bool = True
+    """Before anything starts on CUDA devices (SGLang, or `server.device=cuda…`), refuse a plan that
+    `launcher plan --model` computes does not fit the GPUs' memory (read from nvidia-smi), naming the
+    fullest device, its parts and the knobs that would fit. false = start anyway (the planner is an
+    estimate: use it when you measured that your plan fits). Nothing is checked on CPU."""
     cpu_affinity: dict[str, str | int] = msgspec.field(default_factory=dict)
     """CPU pinning per role kind (local backend): `server`, `learner`, `rollout`, `redis` → a CPU list
     as `taskset -c` takes it (`0`, `"0-1,3"`); every process of that kind (all servers, all learner

@@ -1,0 +1,539 @@
+"""Memory planner: bytes per device of an allocation for a given model (`launcher plan --model`).
+
+Pure standard library (no torch): the model is its HF ``config.json`` read with ``json``, and every
+number below is a formula of its shapes. What it models is *today's* learner (areal_like/learner):
+
+Parameters (Qwen2 / Qwen3 / Llama-style decoders; `count_params`)
+    embeddings   V·h                                   (first pipeline stage; replicated over tp)
+    per layer    q: h·a·d (+a·d bias)  k, v: h·g·d (+g·d bias each)   o: a·d·h
+                 (bias: `attention_bias`, or Qwen2's always-on q/k/v bias)
+                 MLP gate, up: h·I each, down: I·h
+                 norms: 2·h; Qwen3 q_norm/k_norm: 2·d
+    final norm   h                                     (last stage)
+    lm_head      V·h unless tied to the embeddings     (last stage; the critic's value head: h·1)
+    with h = hidden_size, a = num_attention_heads, g = num_key_value_heads, d = head_dim
+    (default h/a), I = intermediate_size, V = vocab_size, L = num_hidden_layers.
+
+Split over the learner's layout (areal_like/learner/parallel/parallelize.py): pipeline stage s keeps
+the contiguous balanced layer range `stage_layer_ids`, the embeddings on stage 0, the final norm and
+lm_head on the last stage; tensor parallel shards q/k/v/o and gate/up/down (biases included) by t
+and keeps norms, embeddings and lm_head replicated; data parallel replicates everything (every dp
+rank holds full parameters, gradients and AdamW state of its stage/tp shard: no dp sharding).
+
+Bytes per trainable parameter (`train.master_dtype`, areal_like/learner/trainer.py):
+    model.dtype = master dtype (fp32, or a pure 16-bit optimizer): params p, grads p, AdamW 2·p
+    16-bit model.dtype with an fp32 master: params 2 + grads 4 + optimizer 12 (fp32 master 4 + AdamW
+    m, v 8) = 18. Backward leaves 16-bit grads that `reduce_grads` moves onto the masters' fp32 .grad
+    one tensor at a time, so the peak is max(14 + 2 + activations, 14 + 4) bytes/param: counting
+    the fp32 grads beside the activations is an upper bound, high by at most 2 bytes/param.
+The frozen reference (`ref`, any KL on) holds params in model.dtype only; the critic (gae) is a
+second trainable model (value head instead of lm_head) with its own gradients and optimizer.
+
+Activations per token of one micro-batch (`activation_bytes_per_token`), HF decoder layer under SDPA
+with no mask (the learner's case: causal, no padding mask, GQA native, no repeat_kv), compute dtype
+b bytes, fp32 RMSNorm internals — what autograd keeps for backward:
+    2 RMSNorms           2·(4 + b)·h      (fp32 copy of the input + the normalised b-dtype output)
+    attention            b·(3·a·d + 2·g·d) + 4·a   (q, k after RoPE, v, the output, its contiguous
+                                                 copy for o_proj; fp32 log-sum-exp per head)
+    Qwen3 q/k norm       (4 + b)·(a + g)·d
+    MLP                  4·b·I             (gate out, SiLU out, up out, their product)
+  A stage with n layers keeps n·A_layer per token, plus one layer's worth (A_layer) of transient
+  work while it runs; with `model.enable_gradient_checkpointing` it keeps only each layer's input
+  (b·h per token per layer) plus one layer recomputed in backward (A_layer). The last stage adds
+  the final norm ((4 + b)·h). Pipeline stage s under 1F1B holds min(pp − s, n_micro) micro-batches
+  in flight (GPipe: all n_micro). This is the Korthikanti et al. (2022) count (34·h + 5·a·s per
+  token per layer for GPT-3 in 16-bit) redone for SwiGLU/GQA/RMSNorm and a flash-style attention that
+  stores no s×s scores (CUDA's flash kernels, GQA included). Where SDPA falls back to its math
+  kernel (CPU with GQA: measured) one layer at a time also holds ~5·b·a·T·s bytes of s×s scores,
+  softmax and their gradients (`TrainSettings.math_attention`; not the GPU default).
+Measured (CPU, fp32, h 256, 8 layers, 4/2 heads, I 1024, V 32000, T 1024–2048, chunks of 256, with
+  and without checkpointing, logit chunks of 256/1024 and unchunked, 3 AdamW steps;
+  benchmarks/planner_memory_check.py): peak RSS above the post-import baseline / this model with
+  `math_attention` = 1.05–1.09 with logit chunks of 256, 0.92–0.98 with 1024, 0.80–0.96 unchunked
+  (varies between runs; the unchunked model is conservative), when glibc's malloc is kept from hoarding freed chunks
+  (MALLOC_MMAP_THRESHOLD_=65536); with its default dynamic threshold the chunked logits path
+  retains up to ~1.4 GiB more RSS than the live tensors (ratio 2.4: allocator retention, not tensors).
+Logits (`logits_bytes`, last stage; areal_like/learner/logprobs.py `chunked_token_logprobs`): with
+  `train.logits_chunk_tokens` = c > 0 the head runs c positions at a time, each chunk recomputed in
+  backward: c·V·(12 + b') — the fp32 log-softmax kept for backward (4), its gradient and the
+  gradient of the fp32 logits (8), b' = b for the 16-bit logits before their fp32 cast (0 in fp32)
+  — + 4·c·V with the entropy (exp(log p); the learner's default); c = 0 (unchunked): the whole
+  micro-batch's T tokens in place of c. Measured in fp32 unchunked: 10–13 bytes per logit (the
+  model's 16 is high on this part).
+
+Servers: weights in `server.dtype`, split evenly over a server's t·p devices; the KV-cache room is
+`mem_fraction_static` × device memory − weights; one token of KV cache costs
+2 · (L / p) · max(g / t, 1) · d · server-dtype bytes on each device.
+A device of the learner also carries a fixed `runtime_bytes` (CUDA context, NCCL and allocator
+slack; 1 GiB), counted in its total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RUNTIME_BYTES = 2**30  # per learner device: CUDA context, NCCL buffers, allocator slack
+GIB = 2**30
+
+
+def sglang_default_mem_fraction(tp: int) -> float:
+    """SGLang's default `--mem-fraction-static` by tensor-parallel size (its ServerArgs table; newer
+    releases derive it from the GPU's memory, close to these)."""
+    if tp >= 16:
+        return 0.79
+    if tp >= 8:
+        return 0.81
+    if tp >= 4:
+        return 0.85
+    if tp >= 2:
+        return 0.87
+    return 0.88
+
+
+def parse_bytes(text: str) -> int:
+    """`80GB`, `80GiB`, `81559MiB`, `85e9` → bytes. GB and GiB both mean 2³⁰ (device memory is sold in
+    binary units: an "80GB" H100 reports 81559 MiB = 79.6 GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*", text or "")
+    if not m:
+        raise ValueError(f"memory size {text!r} not understood: write e.g. 80GB, 80GiB or 81559MiB")
+    num, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B").rstrip("I") or "B"
+    scale = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
+    return int(num * scale)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes the planner needs from an HF config.json."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    model_type: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "ModelShape":
+        try:
+            h, a = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            mt = str(cfg.get("model_type", ""))
+            return cls(hidden=h, layers=int(cfg["num_hidden_layers"]), heads=a,
+                       kv_heads=int(cfg.get("num_key_value_heads") or a),
+                       head_dim=int(cfg.get("head_dim") or h // a), intermediate=int(cfg["intermediate_size"]),
+                       vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)),
+                       # Qwen2 always has q/k/v biases; Llama/Qwen3 follow `attention_bias`
+                       qkv_bias=mt == "qwen2" or bool(cfg.get("attention_bias", False)),
+                       qk_norm=mt.startswith("qwen3"), model_type=mt)
+        except KeyError as e:
+            raise ValueError(f"model config has no {e.args[0]!r}: the planner needs an HF decoder config.json "
+                             "(hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size)") from None
+
+    @classmethod
+    def load(cls, path: str) -> "ModelShape":
+        """A model directory (its config.json) or a config.json file."""
+        p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(p):
+            raise ValueError(f"--model {path!r}: no config.json there: pass an HF model directory or its config.json")
+        with open(p, encoding="utf-8") as f:
+            cfg = json.load(f)
+        if isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg, **cfg["text_config"]}
+        return cls.from_config(cfg)
+
+    # ---- parameter counts -----------------------------------------------------------------------
+    def layer_params(self, tp: int = 1) -> int:
+        """One decoder layer's parameters on one tp rank (sharded projections / tp + replicated norms)."""
+        h, a, g, d, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
+        sharded = h * a * d + 2 * h * g * d + a * d * h + 3 * h * i
+        if self.qkv_bias:
+            sharded += a * d + 2 * g * d
+        replicated = 2 * h + (2 * d if self.qk_norm else 0)
+        return sharded // tp + replicated
+
+    def count_params(self) -> int:
+        """Total parameters of the *ForCausalLM model (tied lm_head counted once)."""
+        emb = self.vocab * self.hidden
+        return emb + self.layers * self.layer_params() + self.hidden + (0 if self.tied else emb)
+
+    def stage_params(self, pp: int, stage: int, tp: int, *, head_dim_out: int | None = None) -> int:
+        """Parameters of pipeline stage `stage` on one tp rank; `head_dim_out` = 1 for a critic."""
+        n = len(stage_layer_ids(self.layers, pp, stage))
+        total = n * self.layer_params(tp)
+        first, last = stage == 0, stage == pp - 1
+        if first:
+            total += self.vocab * self.hidden
+        if last:
+            total += self.hidden
+            if head_dim_out is not None:
+                total += self.hidden * head_dim_out
+            elif not (self.tied and first):
+                total += self.vocab * self.hidden
+        return total
+
+    # ---- activations ----------------------------------------------------------------------------
+    def layer_activation_bytes(self, b: int, tp: int = 1) -> float:
+        """A_layer: bytes autograd keeps per token for one decoder layer (module docstring)."""
+        h, a, g, d, i = self.hidden, self.heads / tp, max(self.kv_heads / tp, 1), self.head_dim, self.intermediate / tp
+        total = 2 * (4 + b) * h + b * (3 * a * d + 2 * g * d) + 4 * a + 4 * b * i
+        if self.qk_norm:
+            total += (4 + b) * (a + g) * d
+        return total
+
+    def kv_bytes_per_token(self, b: int, tp: int = 1, pp: int = 1) -> float:
+        """KV-cache bytes of one token on one device of a t×p server."""
+        layers = -(-self.layers // pp)
+        return 2 * layers * max(self.kv_heads / tp, 1) * self.head_dim * b
+
+
+def stage_layer_ids(num_layers: int, pp: int, stage: int) -> list[int]:
+    """The learner's split (parallelize.stage_layer_ids, copied: this module must not import torch)."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return list(range(start, start + base + (1 if stage < extra else 0)))
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What the learner's memory depends on (from the experiment config; `from_config`)."""
+
+    dtype: str = "float32"  # model.dtype (compute)
+    master_dtype: str = "float32"  # train.master_dtype
+    checkpointing: bool = False  # model.enable_gradient_checkpointing
+    micro_batch_tokens: int = 8192  # train.micro_batch_tokens
+    seq_len: int = 0  # longest sequence (a micro-batch holds at least one)
+    logits_chunk_tokens: int = 1024  # train.logits_chunk_tokens (0 = unchunked)
+    entropy: bool = True  # the learner computes the entropy beside the logprobs (its default)
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    critic: bool = False  # algorithm.adv_estimator == gae
+    reference: bool = False  # any KL term on
+    server_dtype: str = "bfloat16"  # resolved server.dtype
+    mem_fraction_static: float | None = None
+    math_attention: bool = False  # SDPA's math kernel (CPU with GQA): s×s scores while a layer runs
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, sglang: bool, seq_len: int | None = None,
+                    micro_batch_tokens: int | None = None) -> "TrainSettings":
+        alg = cfg.algorithm
+        return cls(dtype=cfg.model.dtype, master_dtype=cfg.train.master_dtype,
+                   checkpointing=cfg.model.enable_gradient_checkpointing,
+                   micro_batch_tokens=micro_batch_tokens or cfg.train.micro_batch_tokens,
+                   seq_len=seq_len if seq_len is not None else cfg.resolved_max_context_len(),
+                   logits_chunk_tokens=cfg.train.logits_chunk_tokens,
+                   entropy=bool(getattr(cfg.train, "compute_entropy", True)) or alg.entropy_coef > 0,
+                   pp_schedule=cfg.train.pp_schedule, pp_microbatches=cfg.train.pp_microbatches,
+                   critic=alg.adv_estimator == "gae", reference=alg.kl_loss_on or alg.kl_reward_on,
+                   server_dtype=cfg.resolved_server_dtype(sglang=sglang),
+                   mem_fraction_static=cfg.server.mem_fraction_static)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return max(self.micro_batch_tokens, self.seq_len)
+
+
+@dataclass
+class DeviceMemory:
+    """One device: its parts in bytes (JSON keys as named) and whether their sum fits."""
+
+    node: int
+    device: int
+    roles: list[str] = field(default_factory=list)
+    parts: dict[str, int] = field(default_factory=dict)
+    kv_cache_tokens: int | None = None
+    capacity: int = 0
+    info: dict[str, int] = field(default_factory=dict)  # shown, not summed (the other checkpointing setting)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.capacity and self.parts.get("kv_cache_bytes", 0) >= 0
+
+    def add(self, key: str, value: float) -> None:
+        self.parts[key] = self.parts.get(key, 0) + int(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"node": self.node, "device": self.device, "roles": self.roles, **self.parts,
+                             "total_bytes": self.total_bytes, "capacity_bytes": self.capacity, "fits": self.fits}
+        if self.kv_cache_tokens is not None:
+            d["kv_cache_tokens"] = self.kv_cache_tokens
+        d.update(self.info)
+        return d
+
+
+def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stage: int) -> dict[str, int]:
+    """Bytes of one learner rank (pipeline stage `stage`, one tp shard) — module docstring."""
+    b = DTYPE_BYTES[s.dtype]
+    m = DTYPE_BYTES[s.master_dtype]
+    separate_master = s.master_dtype != s.dtype
+
+    def trainable(n: int) -> tuple[float, float, float]:  # params, grads, optimizer
+        if separate_master:  # 16-bit model + fp32 master: the fp32 grads (the 16-bit ones freed as they move)
+            return n * b, n * m, n * (m + 2 * m)
+        return n * b, n * b, n * 2 * b
+
+    n_actor = shape.stage_params(pp, stage, tp)
+    params, grads, opt = trainable(n_actor)
+    first, last = stage == 0, stage == pp - 1
+    n_layers = len(stage_layer_ids(shape.layers, pp, stage))
+    T = s.tokens_per_micro_batch
+    a_layer = shape.layer_activation_bytes(b, tp)
+    keep = (b * shape.hidden) if s.checkpointing else a_layer
+    per_token = n_layers * keep + a_layer + ((4 + b) * shape.hidden if last else 0)
+    in_flight = 1
+    if pp > 1:
+        n_micro = max(pp, s.pp_microbatches)
+        in_flight = n_micro if s.pp_schedule == "gpipe" else min(pp - stage, n_micro)
+    activations = per_token * T * in_flight
+    if s.math_attention:  # one layer's transient s×s work: scores, softmax and their gradients (~5 copies)
+        activations += 5 * b * (shape.heads / tp) * T * max(min(s.seq_len, T), 1)
+    logits = 0.0
+    if last:
+        c = s.logits_chunk_tokens if s.logits_chunk_tokens > 0 else T
+        logits = min(c, T) * shape.vocab * (12 + (4 if s.entropy else 0) + (b if b != 4 else 0))
+    parts = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
+             "activations_bytes": activations, "logits_bytes": logits, "reference_bytes": 0.0,
+             "critic_bytes": 0.0, "runtime_bytes": RUNTIME_BYTES}
+    if s.reference:
+        parts["reference_bytes"] = n_actor * b
+    if s.critic:
+        cp, cg, co = trainable(shape.stage_params(pp, stage, tp, head_dim_out=1))
+        parts["critic_bytes"] = cp + cg + co  # its activations come at another time than the actor's
+    return {k: int(v) for k, v in parts.items()}
+
+
+def server_parts(shape: ModelShape, s: TrainSettings, *, tp: int, pp: int, backend: str,
+                 capacity: int) -> tuple[dict[str, int], int | None]:
+    """Bytes on one device of a generation server, and its KV-cache capacity in tokens (SGLang)."""
+    b = DTYPE_BYTES[s.server_dtype]
+    weights = shape.count_params() * b / (tp * pp)
+    if backend != "sglang":  # embedded: weights and a small dynamic KV cache, no reservation
+        return {"weights_bytes": int(weights), "kv_cache_bytes": 0}, None
+    frac = s.mem_fraction_static if s.mem_fraction_static is not None else sglang_default_mem_fraction(tp)
+    kv = frac * capacity - weights
+    return ({"weights_bytes": int(weights), "kv_cache_bytes": int(kv)},
+            max(int(kv // shape.kv_bytes_per_token(b, tp, pp)), 0))
+
+
+@dataclass
+class MemoryPlan:
+    devices: list[DeviceMemory]
+    shape: ModelShape
+    settings: TrainSettings
+    capacity: int
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(d.fits for d in self.devices)
+
+    def over(self) -> list[DeviceMemory]:
+        return [d for d in self.devices if not d.fits]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_params": self.shape.count_params(), "device_memory_bytes": self.capacity,
+                "fits": self.fits, "devices": [d.to_dict() for d in self.devices], "fixes": self.fixes}
+
+
+def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capacity: int,
+                *, suggest: bool = True) -> MemoryPlan:
+    """Every device of `placement` (allocation.placement.Placement) with its parts."""
+    devs: dict[tuple[int, int], DeviceMemory] = {}
+
+    def dev(node: int, device: int) -> DeviceMemory:
+        return devs.setdefault((node, device), DeviceMemory(node, device, capacity=capacity))
+
+    gen = placement.allocation.generation
+    if gen is not None:
+        for srv in placement.servers:
+            parts, kv_tokens = server_parts(shape, settings, tp=gen.tp, pp=gen.pp, backend=gen.backend,
+                                            capacity=capacity)
+            for node, device in zip(srv.nodes, srv.devices):
+                d = dev(node, device)
+                d.roles.append(f"server {srv.index}")
+                for k, v in parts.items():
+                    d.add(k, v)
+                d.kv_cache_tokens = kv_tokens
+    for comp in placement.training:
+        t = comp.spec
+        for r in comp.ranks:
+            d = dev(r.node, r.device)
+            d.roles.append(f"learner rank {r.rank} (dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank})")
+            for k, v in learner_parts(shape, settings, pp=t.pp, tp=t.tp, stage=r.pp_rank).items():
+                d.add(k, v)
+            for on in (False, True):
+                other = learner_parts(shape, replace(settings, checkpointing=on), pp=t.pp, tp=t.tp, stage=r.pp_rank)
+                key = f"activations_{'with' if on else 'without'}_checkpointing_bytes"
+                d.info[key] = d.info.get(key, 0) + other["activations_bytes"]
+    plan = MemoryPlan(sorted(devs.values(), key=lambda d: (d.node, d.device)), shape, settings, capacity)
+    if suggest and not plan.fits:
+        plan.fixes = suggest_fixes(placement, shape, settings, capacity)
+    return plan
+
+
+def _learner_fits(shape: ModelShape, s: TrainSettings, capacity: int, *, pp: int, tp: int) -> bool:
+    return all(sum(learner_parts(shape, s, pp=pp, tp=tp, stage=st).values()) <= capacity for st in range(pp))
+
+
+def _valid_tp(shape: ModelShape, tp: int) -> bool:
+    return shape.heads % tp == 0 and shape.kv_heads % tp == 0 and shape.intermediate % tp == 0
+
+
+def suggest_fixes(placement: Any, shape: ModelShape, s: TrainSettings, capacity: int) -> list[str]:
+    """Knobs that exist today and make the over-full devices fit, each as the user would type it.
+
+    Learner: checkpointing, a smaller micro-batch, bf16 compute with its fp32 master, logit chunks, then
+    more pipeline stages / tensor parallel in the allocation's training side (more devices per dp
+    replica; dp itself does not help: every dp rank holds a full replica). Servers: a larger t."""
+    fixes: list[str] = []
+    alloc = placement.allocation
+    tr = alloc.training
+    if tr is not None and not _learner_fits(shape, s, capacity, pp=tr.pp, tp=tr.tp):
+        pp, tp = tr.pp, tr.tp
+        knobs: list[tuple[str, TrainSettings]] = []
+        if not s.checkpointing:
+            knobs.append(("model.enable_gradient_checkpointing=true", replace(s, checkpointing=True)))
+        if s.logits_chunk_tokens == 0:
+            knobs.append(("train.logits_chunk_tokens=1024", replace(s, logits_chunk_tokens=1024)))
+        if s.dtype == "float32":
+            knobs.append(("model.dtype=bfloat16", replace(s, dtype="bfloat16")))
+        found = [k for k, s2 in knobs if _learner_fits(shape, s2, capacity, pp=pp, tp=tp)]
+        mb = s.micro_batch_tokens // 2
+        while mb >= max(256, s.seq_len) and not found:
+            s2 = replace(s, micro_batch_tokens=mb)
+            if _learner_fits(shape, s2, capacity, pp=pp, tp=tp):
+                found.append(f"train.micro_batch_tokens={mb}")
+            mb //= 2
+        fixes += found
+        # More model parallelism in the training side: the fewest devices per dp replica that fit with the
+        # settings as given, and (when fewer) with every knob above on.
+        best_all = s
+        for _, s2 in knobs:
+            best_all = replace(best_all, **{f: getattr(s2, f) for f in ("checkpointing", "logits_chunk_tokens", "dtype")
+                                            if getattr(s2, f) != getattr(s, f)})
+        prev = None
+        for settings, extra in ((s, ""), (best_all, " with " + " ".join(k for k, _ in knobs))):
+            if settings is best_all and not knobs:
+                break
+            cand = []
+            for p2 in (1, 2, 4, 8, 16):
+                for t2 in (1, 2, 4, 8):
+                    if p2 * t2 <= pp * tp or p2 > shape.layers or not _valid_tp(shape, t2):
+                        continue
+                    if p2 > 1 and shape.tied:
+                        continue  # the learner refuses pp with tied embeddings
+                    if _learner_fits(shape, settings, capacity, pp=p2, tp=t2):
+                        cand.append((p2 * t2, t2, p2))
+            if cand and (prev is None or min(cand)[0] < prev):
+                size, t2, p2 = min(cand)
+                prev = size
+                fixes.append(f"--allocation {_with_training(alloc, tr, p2, t2)} ({tr.dp} × {size} learner devices){extra}")
+        if not fixes:
+            fixes.append("none of the knobs available today fits this model's learner state on these devices "
+                         "(dp ranks hold full replicas)")
+    gen = alloc.generation
+    if gen is not None and gen.backend == "sglang":
+        parts, _ = server_parts(shape, s, tp=gen.tp, pp=gen.pp, backend=gen.backend, capacity=capacity)
+        if parts["kv_cache_bytes"] <= 0:
+            for t2 in (2, 4, 8):
+                if t2 > gen.tp and _valid_tp(shape, t2):
+                    p2, _ = server_parts(shape, s, tp=t2, pp=gen.pp, backend=gen.backend, capacity=capacity)
+                    if p2["kv_cache_bytes"] > 0:
+                        fixes.append(f"generation side t{t2} (servers of {t2 * gen.pp} devices)")
+                        break
+    return fixes
+
+
+def _with_training(alloc: Any, tr: Any, pp: int, tp: int) -> str:
+    """The allocation string with its training side's p and t replaced (the dims alone when the string is
+    not a simple `generation+training`)."""
+    dims = f"d{tr.dp}p{pp}t{tp}"
+    src = str(getattr(alloc, "source", "") or "")
+    if src.count("+") == 1 and "|" not in src and "(" not in src:
+        head, tail = src.split("+")
+        prefix = tail[: tail.index(":") + 1] if ":" in tail else ""
+        if "m" in tail.split(":")[-1]:  # legacy spelling: m is the tensor-parallel size
+            dims = dims.replace("t", "m")
+        text = f"{head.strip()}+{prefix.strip()}{dims}"
+        try:
+            from allocation.parser import parse_allocation
+
+            parse_allocation(text)
+            return text
+        except Exception:  # noqa: BLE001 — the dims alone still say it
+            pass
+    return f"(training side {dims})"
+
+
+LEARNER_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "logits_bytes",
+                "reference_bytes", "critic_bytes", "runtime_bytes")
+SERVER_KEYS = ("weights_bytes", "kv_cache_bytes")
+
+
+def format_memory(plan: MemoryPlan) -> str:
+    """Per-device table in GiB; over-full devices marked, then the fixes."""
+    sh, s = plan.shape, plan.settings
+    lines = [
+        "",
+        f"memory: {sh.model_type or 'decoder'} {sh.count_params() / 1e9:.2f}B params (h {sh.hidden}, L {sh.layers}, "
+        f"heads {sh.heads}/{sh.kv_heads}, vocab {sh.vocab}); device {fmt_bytes(plan.capacity)}",
+        f"        learner: model.dtype={s.dtype} train.master_dtype={s.master_dtype} "
+        f"checkpointing={'on' if s.checkpointing else 'off'} micro-batch {s.tokens_per_micro_batch} tokens, "
+        f"logits chunk {s.logits_chunk_tokens or 'off'}; servers: {s.server_dtype}",
+    ]
+    cols = [("params", "params_bytes"), ("grads", "grads_bytes"), ("optim", "optimizer_bytes"),
+            ("activ", "activations_bytes"), ("logits", "logits_bytes"), ("ref", "reference_bytes"),
+            ("critic", "critic_bytes"), ("weights", "weights_bytes"), ("kv", "kv_cache_bytes")]
+    header = ["node:dev"] + [c for c, _ in cols] + ["total", "fits", "roles"]
+    rows = []
+    for d in plan.devices:
+        row = [f"{d.node}:{d.device}"] + [f"{d.parts[k] / GIB:.1f}" if k in d.parts else "-" for _, k in cols]
+        row += [f"{d.total_bytes / GIB:.1f}", "yes" if d.fits else "OVER", "; ".join(d.roles)]
+        if d.kv_cache_tokens is not None:
+            row[-1] += f" (KV {d.kv_cache_tokens} tokens)"
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    learners = [d for d in plan.devices if "activations_without_checkpointing_bytes" in d.info]
+    if learners:
+        worst = max(learners, key=lambda d: d.info["activations_without_checkpointing_bytes"])
+        lines.append(f"activations of the fullest learner device ({worst.node}:{worst.device}): "
+                     f"{fmt_bytes(worst.info['activations_without_checkpointing_bytes'])} without checkpointing, "
+                     f"{fmt_bytes(worst.info['activations_with_checkpointing_bytes'])} with "
+                     "(model.enable_gradient_checkpointing)")
+    over = plan.over()
+    if over:
+        lines.append(f"does not fit: {len(over)} of {len(plan.devices)} devices over {fmt_bytes(plan.capacity)}")
+        for f in plan.fixes:
+            lines.append(f"  fix: {f}")
+    else:
+        lines.append(f"fits: every device within {fmt_bytes(plan.capacity)}")
+    return "\n".join(lines)
+
+
+def refusal_message(plan: MemoryPlan) -> str:
+    """One paragraph for `launcher run` when the plan does not fit its devices."""
+    worst = max(plan.over(), key=lambda d: d.total_bytes)
+    parts = ", ".join(f"{k.removesuffix('_bytes')} {fmt_bytes(v)}" for k, v in worst.parts.items() if v)
+    fixes = "; ".join(plan.fixes) or "a larger allocation"
+    return (f"the plan does not fit its devices: {len(plan.over())} of {len(plan.devices)} devices need more than "
+            f"{fmt_bytes(plan.capacity)} (device {worst.node}:{worst.device}, {'; '.join(worst.roles)}: "
+            f"{fmt_bytes(worst.total_bytes)} = {parts}). Fix: {fixes}. See `launcher plan --model` "
+            f"(launcher.check_memory=false starts anyway, if you measured that it fits).")
