@@ -21,17 +21,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 import pytest
+from _uid import as_nobody, open_base_dir
 from conftest import launcher_finish, launcher_spawn
 
 pytestmark = pytest.mark.integration
 
-NOBODY = 65534
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DECOY = "decoy-redis-secret-from-the-users-env"  # AREAL_LIKE_REDIS_PASSWORD / REDIS_PASSWORD in the launcher's env
 
@@ -90,16 +89,6 @@ print(json.dumps({"trap_received": got, "bodies": bodies, "learnt": learnt, "wri
 '''
 
 
-def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("setpriv (util-linux) is not installed: no second uid to test as")
-    if os.geteuid() != 0:
-        pytest.skip("switching to uid nobody needs root")
-    return subprocess.run([setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
-                          capture_output=True, text=True, errors="replace", timeout=120)
-
-
 def _redis_conf(run_dir: str) -> dict[str, str]:
     """port and requirepass of the run's redis-server, as root reads them from its 0600 config."""
     out = {}
@@ -135,8 +124,7 @@ def live_run(demo_assets):
     """A real `launcher run` of the demo that keeps training while the tests probe it (Ctrl-C at the end).
     Its run dir sits under a 0755 base so only the run dir's own modes guard it. The launcher's
     environment carries decoy Redis secrets, as a user's shell might."""
-    base = tempfile.mkdtemp(prefix="areal_like-open-", dir="/tmp")
-    os.chmod(base, 0o755)
+    base = open_base_dir()
     run_dir = os.path.join(base, "run")
     model, data = demo_assets
     proc = launcher_spawn("run", "--config", "configs/demo.yaml", "--allocation", "embedded.d1p1t1+d1p1t1",
@@ -165,7 +153,7 @@ def test_redis_endpoint_is_no_password_oracle_for_another_account(live_run):
     conf = _redis_conf(run_dir)
     password = conf["requirepass"]
     endpoint = _redis_target(run_dir)
-    res = _as_nobody("/usr/bin/python3", "-c", PROBE, endpoint, "127.0.0.1", conf["port"])
+    res = as_nobody("/usr/bin/python3", "-c", PROBE, endpoint, "127.0.0.1", conf["port"], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     probe = json.loads(res.stdout)
     assert probe["write_reply"].startswith("-NOAUTH"), (

@@ -13,36 +13,24 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 import redis
+from _uid import as_nobody, open_base_dir
 from conftest import launcher_finish, launcher_spawn
 
 from areal_like.buffer.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
-NOBODY = 65534
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _as_nobody(*argv: str) -> subprocess.CompletedProcess:
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("setpriv (util-linux) is not installed: no second uid to test as")
-    if os.geteuid() != 0:
-        pytest.skip("switching to uid nobody needs root")
-    return subprocess.run([setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv],
-                          capture_output=True, text=True, errors="replace", timeout=30)
 
 
 @pytest.fixture
 def open_base():
     """A 0755 directory under /tmp: every account can traverse to what is made inside it."""
-    base = tempfile.mkdtemp(prefix="areal_like-open-", dir="/tmp")
-    os.chmod(base, 0o755)
+    base = open_base_dir()
     yield base
     shutil.rmtree(base, ignore_errors=True)
 
@@ -69,10 +57,10 @@ def test_redis_aof_and_log_are_unreadable_to_another_account(open_base):
         assert any(".aof" in f for f in files) and str(srv.log_path) in files, files
         for path in files:
             assert os.stat(path).st_mode & 0o077 == 0, (path, oct(os.stat(path).st_mode))
-            res = _as_nobody("cat", path)
+            res = as_nobody("cat", path)
             assert res.returncode != 0 and "Permission denied" in res.stderr, (path, res.returncode, res.stdout[:200])
         assert os.stat(rdir).st_mode & 0o777 == 0o700
-        res = _as_nobody("ls", rdir)
+        res = as_nobody("ls", rdir)
         assert res.returncode != 0 and "Permission denied" in res.stderr, res
 
 
@@ -120,12 +108,12 @@ def test_second_launcher_on_the_same_run_dir_is_refused(open_base, demo_assets):
 
         # another account can neither list the run dir nor read the AOF by its full path
         assert os.stat(run_dir).st_mode & 0o077 == 0, oct(os.stat(run_dir).st_mode)
-        res = _as_nobody("ls", run_dir)
+        res = as_nobody("ls", run_dir)
         assert res.returncode != 0 and "Permission denied" in res.stderr, res
         files = _redis_files(os.path.join(run_dir, "redis"))
         assert any(".aof" in f for f in files), files
         for path in files:
-            res = _as_nobody("cat", path)
+            res = as_nobody("cat", path)
             assert res.returncode != 0 and "Permission denied" in res.stderr, (path, res)
     finally:
         rc, out = launcher_finish(first, timeout=600)
