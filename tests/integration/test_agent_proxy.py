@@ -11,6 +11,8 @@ import numpy as np
 import openai
 import pytest
 
+from _agent_server import agent_model_dir, server  # noqa: F401 (fixtures)
+
 from areal_like.agent import AgentProxy, OpenAIToolAgent, run_agent_group
 from areal_like.api.config import GenerationConfig, MultiTurnConfig
 from areal_like.api.workflow import EpisodeContext, load_user_workflow
@@ -98,19 +100,6 @@ AGENT_SOURCE = textwrap.dedent('''
 
 GEN = GenerationConfig(n=2, max_new_tokens=10, temperature=1.0)
 MT = MultiTurnConfig(max_assistant_turns=3)
-
-
-@pytest.fixture(scope="module")
-def agent_model_dir(tmp_path_factory):
-    from areal_like.data.tiny_model import build_tiny_model
-
-    return build_tiny_model(str(tmp_path_factory.mktemp("agent_model") / "model"), agent=True)
-
-
-@pytest.fixture(scope="module")
-def server(engine_servers, agent_model_dir):
-    (srv,) = engine_servers(agent_model_dir, 1, "--max-context-len", "512")
-    return srv
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ import threading
 import aiohttp
 import pytest
 
+from _agent_server import agent_model_dir, server  # noqa: F401 (fixtures)
+
 from areal_like.agent import AgentProxy
 from areal_like.api.config import GenerationConfig, MultiTurnConfig
 from areal_like.engine.client import GenerationClient
@@ -61,19 +63,6 @@ async def main(url, model):
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """
-
-
-@pytest.fixture(scope="module")
-def agent_model_dir(tmp_path_factory):
-    from areal_like.data.tiny_model import build_tiny_model
-
-    return build_tiny_model(str(tmp_path_factory.mktemp("agent_model") / "model"), agent=True)
-
-
-@pytest.fixture(scope="module")
-def server(engine_servers, agent_model_dir):
-    (srv,) = engine_servers(agent_model_dir, 1, "--max-context-len", "512")
-    return srv
 
 
 def vm_kb(pid: int, field: str) -> int:

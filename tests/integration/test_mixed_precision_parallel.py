@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from areal_like.api.config import AlgorithmConfig, TrainConfig
+from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import synthetic_groups
 from areal_like.learner.trainer import Trainer
@@ -34,14 +35,6 @@ STEPS = 2
 # O(1e-2); measured ≤ 4.3e-5), gradient norms and value losses within 2 % (measured ≤ 0.15 %), and the
 # weights' distance to the fp32 run's within 10 % of how far training moved them (measured 3.1 %).
 LOSS_ABS, NORM_REL, WEIGHT_REL = 1e-3, 2e-2, 0.10
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -114,7 +107,7 @@ def fp32_reference(model_dir):
 @pytest.fixture(scope="module")
 def bf16_runs(model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("bf16"))
-    mp.start_processes(_rank_main, args=(4, _free_port(), model_dir, out), nprocs=4, join=True, start_method="spawn")
+    mp.start_processes(_rank_main, args=(4, free_port(), model_dir, out), nprocs=4, join=True, start_method="spawn")
     return out
 
 
