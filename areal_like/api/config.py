@@ -267,6 +267,22 @@ class TrainConfig(_Section):
     copy in the optimizer (copied, cast, into the model after each step); a 16-bit master equal to
     `model.dtype` is a pure low-precision optimizer (tiny updates round away; logged as a warning).
     Must be float32 or equal to `model.dtype`."""
+    dp_sharding: Literal["full", "grad_op", "none"] = "full"
+    """How the learner's data-parallel ranks (the allocation's training `d`) split each model (actor,
+    critic, reference): `full` = FSDP2 / ZeRO-3 (parameters, gradients and AdamW state in 1/d shards;
+    each layer's parameters all-gathered for its forward and again for its backward), `grad_op` =
+    ZeRO-2 (gathered parameters kept from forward to backward: less traffic, more memory), `none` =
+    every rank holds a full replica and gradients are all-reduced. Composes with TP (2-D) and PP
+    (each stage sharded). No effect at d1. Gradients are summed over dp in `train.master_dtype`
+    either way. A `fsdp:` training backend in the allocation needs `full` or `grad_op`."""
+    param_offload: bool = False
+    """Keep the actor's parameter and gradient shards (and so its AdamW step) in pinned host memory,
+    copied to the GPU one FSDP unit at a time (FSDP2's CPU offload policy). verl's
+    `actor_rollout_ref.actor.fsdp_config.param_offload`. Needs a CUDA learner and FSDP
+    (`train.dp_sharding=full|grad_op`, d ≥ 2); refused otherwise."""
+    optimizer_offload: bool = False
+    """Keep the actor's AdamW state in host memory between optimizer steps (moved to the GPU for each
+    step and back). verl's `actor_rollout_ref.actor.fsdp_config.optimizer_offload`. CUDA learner only."""
     eps_clip_low: float = 0.2
     """PPO clip below: the ratio π_θ/π_prox is clipped at 1 − eps_clip_low."""
     eps_clip_high: float = 0.28
@@ -393,11 +409,18 @@ class CriticConfig(_Section):
     """Clip range of the value loss around the old values (verl `cliprange_value`); None = unclipped."""
     loss_coef: float = 1.0
     """Scale of the value loss (its own optimizer: it only sets the gradient scale)."""
+    param_offload: bool = False
+    """`train.param_offload` for the critic (verl's `critic.model.fsdp_config.param_offload`)."""
+    optimizer_offload: bool = False
+    """`train.optimizer_offload` for the critic (verl's `critic.model.fsdp_config.optimizer_offload`)."""
 
 
 class RefConfig(_Section):
     path: str | None = None
     """Frozen reference model for the KL terms; None = the actor's initial weights (model.path)."""
+    param_offload: bool = False
+    """Keep the reference's parameter shards in pinned host memory, copied to the GPU one FSDP unit at
+    a time (verl's `actor_rollout_ref.ref.fsdp_config.param_offload`). CUDA learner and FSDP only."""
 
 
 class RewardShapingConfig(_Section):
@@ -625,6 +648,7 @@ class ExperimentConfig(_Section):
     """Seed of the rollout side: prompt order, per-sample sampling seeds; server i gets seed + i."""
     allocation: str = "embedded.d1p1t1+d1p1t1"
     """AReaL allocation string `<generation>+<training>` (see `launcher plan`); `--allocation` sets it."""
+
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     """The policy model (`model.*`)."""
     data: DataConfig = msgspec.field(default_factory=DataConfig)
@@ -705,6 +729,53 @@ class ExperimentConfig(_Section):
                        + (mt.max_assistant_turns - 1) * mt.max_tool_response_tokens)
         return need
 
+    def learner_on_cuda(self) -> bool:
+        """Whether the learner pool trains on CUDA devices: with SGLang servers, or embedded ones on
+        `server.device=cuda…` (the launcher gives the learner its own plan devices then)."""
+        from allocation import AllocationError, parse_allocation
+
+        try:
+            gen = parse_allocation(self.allocation).generation
+        except AllocationError:
+            gen = None
+        return (gen is not None and gen.backend == "sglang") or self.server.device.startswith("cuda")
+
+    def _check_offload(self, training) -> None:
+        """Offload keys: refused where there is no GPU to offload from, or no FSDP to offload through."""
+        keys = [k for k, on in (("train.param_offload", self.train.param_offload),
+                                ("train.optimizer_offload", self.train.optimizer_offload),
+                                ("critic.param_offload", self.critic.param_offload),
+                                ("critic.optimizer_offload", self.critic.optimizer_offload),
+                                ("ref.param_offload", self.ref.param_offload)) if on]
+        if keys and not self.learner_on_cuda():
+            raise ConfigError(f"{', '.join(k + '=true' for k in keys)}: offload moves learner state from GPU to host "
+                              f"memory, but this run's learner is on CPU (no sglang generation, server.device="
+                              f"{self.server.device}) — there is nothing to offload to: remove "
+                              f"{' and '.join(keys)}")
+        params = [k for k in keys if k.endswith("param_offload")]
+        dp = training.dp if training is not None else 1
+        if params and (self.train.dp_sharding == "none" or dp < 2):
+            raise ConfigError(f"{', '.join(params)}: parameter offload goes through FSDP (its CPU offload policy), "
+                              f"but the learner does not shard (train.dp_sharding={self.train.dp_sharding}, d{dp}): "
+                              f"use a training side with d ≥ 2 and train.dp_sharding=full, or "
+                              f"train.optimizer_offload=true alone")
+
+    def _check_training_backend(self) -> None:
+        """`fsdp:` in the allocation's training side means sharded data parallel (as in AReaL):
+        refused with `train.dp_sharding=none`. A malformed allocation is reported by the launcher."""
+        from allocation import AllocationError, parse_allocation
+
+        try:
+            tr = parse_allocation(self.allocation).training
+        except AllocationError:
+            tr = None
+        self._check_offload(tr)
+        if tr is not None and tr.backend == "fsdp" and self.train.dp_sharding == "none":
+            raise ConfigError(f"allocation {self.allocation!r} asks for the fsdp training backend but "
+                              f"train.dp_sharding=none replicates the model: set train.dp_sharding=full (or "
+                              f"grad_op), or write the training side without 'fsdp:' (e.g. "
+                              f"'+d{tr.dp}p1t{tr.tp}')")
+
     def validate(self) -> None:
         """Cross-field checks; each error says which setting to change."""
         if self.rollout.max_staleness < 0:
@@ -769,6 +840,7 @@ class ExperimentConfig(_Section):
         if md != "float32" and md != cd:
             raise ConfigError(f"train.master_dtype={md} with model.dtype={cd}: the master weights are float32 "
                               f"(set train.master_dtype=float32) or the compute dtype itself (train.master_dtype={cd})")
+        self._check_training_backend()
         mf = self.server.mem_fraction_static
         if mf is not None and not 0.0 < mf < 1.0:
             raise ConfigError(f"server.mem_fraction_static={mf}: use a fraction in (0, 1), e.g. 0.8, or null for SGLang's default")
@@ -873,6 +945,11 @@ ALIASES: dict[str, str] = {
     "critic.optim.lr": "critic.lr",
     "critic.cliprange_value": "critic.value_clip",
     "critic.model.path": "critic.path",
+    "critic.model.fsdp_config.param_offload": "critic.param_offload",
+    "critic.model.fsdp_config.optimizer_offload": "critic.optimizer_offload",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "train.param_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "train.optimizer_offload",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "ref.param_offload",
     "actor_rollout_ref.ref.model.path": "ref.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "model.enable_gradient_checkpointing",
     "reward_model.overlong_buffer.len": "reward.overlong_buffer_len",

@@ -177,7 +177,8 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
     meta = {"format": CKPT_FORMAT, "layout": str(trainer.layout.spec), "step": trainer.step,
             "optimizer_steps": trainer.actor.optimizer_steps, "version": trainer.version,
             "model_path": trainer.model_path, "critic": trainer.critic is not None, "extra": extra or {},
-            "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype}
+            "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype,
+            "dp_sharding": trainer.dp_sharding}
     meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
     actor = trainer.named_tensors_for_push()
     critic = trainer.critic.gather_full(None, trainer.device) if trainer.critic else []  # its master too
@@ -218,6 +219,12 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} was written by layout {meta['layout']}, this pool is "
                          f"{trainer.layout.spec}: resume with the same allocation training side "
                          f"(its model.safetensors is a full HF state dict usable with any layout)")
+    saved_sharding = meta.get("dp_sharding", "none")  # absent: written before train.dp_sharding (replicated)
+    if (saved_sharding == "none") != (trainer.dp_sharding == "none"):  # full and grad_op shard alike
+        raise ValueError(f"checkpoint {path} holds optimizer state of train.dp_sharding={saved_sharding} "
+                         f"(layout {meta['layout']}), this pool shards as {trainer.dp_sharding}: resume with "
+                         f"train.dp_sharding={saved_sharding}, or start a new run from its model.safetensors "
+                         f"(model.path)")
     has_critic = bool(meta.get("critic", False))
     if has_critic != (trainer.critic is not None):
         raise ValueError(f"checkpoint {path} {'has' if has_critic else 'has no'} critic but this run "

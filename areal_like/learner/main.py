@@ -399,6 +399,7 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     if rank == 0:
         _log(f"precision: {trainer.precision_policy}")  # model.dtype computes; train.master_dtype holds the state
         _log(f"memory: {trainer.memory_policy}")  # model.enable_gradient_checkpointing, train.logits_chunk_tokens
+        _log(f"data parallel: {trainer.sharding_policy}")  # train.dp_sharding, the allocation's training d
     ckpt = CheckpointManager.from_config(cfg.train, run_dir=run_dir)
     try:  # every rank; verified first, falls back past an unusable newest checkpoint (`auto`)
         extra = ckpt.resume(trainer, explicit=incarnation == 0, log=_log)

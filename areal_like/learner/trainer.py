@@ -21,9 +21,11 @@ With one optimizer step per train_step the weights being differentiated *are* th
 `loglinear` interpolates from per-token versions (no forward pass); `behaviour` sets π_prox = π_behav.
 
 The actor, the critic (a value head on the same architecture) and the frozen reference share the
-layout: each is a `_ModelShard` — this rank's pipeline stage of the model, TP-sharded, with its own
-optimizer and dp reducer. Only the last pipeline stage computes losses, advantages and the outputs
-of forward-only passes; the others move activations.
+layout: `learner/model.py` builds each (load → convert → parallelize) into a `ShardedModel` — this
+rank's pipeline stage, TP-sharded and, with `train.dp_sharding=full|grad_op` (FSDP2), dp-sharded,
+with its own optimizer and gradient reduction. Only the last pipeline stage computes losses,
+advantages and the outputs of forward-only passes; the others move activations. Under FSDP every dp
+rank runs as many micro-batches as the others (padding batches fill the shorter ones).
 
 Memory: no [tokens × vocab] logits. A language model's last stage returns its final hidden states;
 logprobs (and the entropy statistic) run `lm_head` on `train.logits_chunk_tokens` loss positions at
@@ -46,7 +48,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from areal_like.api.config import (
     AlgorithmConfig,
@@ -70,6 +71,7 @@ from areal_like.learner.batching import (
     CH_RETURN,
     CH_VERSION,
     NUM_CHANNELS,
+    MicroBatch,
     SampleArrays,
     dp_share,
     loss_tokens_of,
@@ -79,15 +81,10 @@ from areal_like.learner.batching import (
     unpack_rows,
 )
 from areal_like.learner.logprobs import chunked_token_logprobs
+from areal_like.learner.model import build_model, effective_dp_sharding, value_head
 from areal_like.learner.parallel.layout import LayoutSpec, ParallelLayout
-from areal_like.learner.parallel.parallelize import (
-    DataParallelReducer,
-    apply_activation_checkpointing,
-    build_pipeline_schedule,
-    local_tensor,
-    parallelize_model,
-    stage_layer_ids,
-)
+from areal_like.learner.parallel.parallelize import build_pipeline_schedule
+from areal_like.learner.parallel.sharded_model import ShardedModel
 from areal_like.learner.schedule import lr_at
 
 log = logging.getLogger(__name__)
@@ -99,256 +96,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _SUM_STATS = ("loss", "clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "behav_tokens_capped", "dual_clipfrac",
               "entropy", "kl_ref", "adv_abs_mean")
 _MAX_STATS = ("behav_w_max", "ratio_max", "neg_behav_w_min")
-
-
-class _ModelShard:
-    """One model of the trainer on this rank: its pipeline stage, TP-sharded; optimizer if trainable.
-
-    Full-model names/shapes are kept in push order (what `save_pretrained` writes), so full tensors
-    can be gathered on rank 0 with HF names whatever the layout.
-
-    Mixed precision (Megatron's layout): the model's parameters are in the compute dtype
-    (`model.dtype`); with a 16-bit compute dtype and `train.master_dtype=float32` the optimizer owns
-    fp32 master copies (`self.master`, same DTensor placements). Each backward's 16-bit gradient is
-    added, cast, into the master's fp32 `.grad` as soon as it is made (a post-accumulate-grad hook
-    that frees the 16-bit one), so micro-batches accumulate in fp32 and the dp all-reduce, norm,
-    clipping and AdamW run in fp32;
-    `step` copies the masters back into the model (one rounding). The master is the state: pushes
-    and checkpoints read it (`state_tensors`). Learner state per parameter: 2 (bf16 params) + 4
-    (fp32 grads) + 4 (master) + 8 (AdamW m, v) = 18 bytes, vs 8 for a pure-bf16 optimizer.
-    """
-
-    def __init__(self, hf_model: nn.Module, layout: ParallelLayout, *, trainable: bool, out_dim: int | None,
-                 train_cfg: TrainConfig, checkpoint_layers: bool = False) -> None:
-        self.layout = layout
-        self.config = hf_model.config
-        self.out_dim = out_dim
-        self.tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
-        persistent = set(hf_model.state_dict().keys())
-        full = [(n, p) for n, p in hf_model.named_parameters()]
-        full += [(n, b) for n, b in hf_model.named_buffers() if n in persistent]
-        self.full_meta = [(n, tuple(t.shape), t.dtype, self._stage_of(n)) for n, t in full]
-        compute = next((t.dtype for _, t in full if t.is_floating_point()), torch.float32)
-        master = DTYPES[train_cfg.master_dtype]
-        self.master_dtype = master if trainable and master != compute else None  # None: no separate master
-        param_names = {n for n, _ in hf_model.named_parameters()}
-        # The dtypes as `state_tensors` holds them (the master's for parameters): what gathers carry.
-        self.state_meta = [(n, shape, self.master_dtype if self.master_dtype is not None and n in param_names
-                            and dt.is_floating_point else dt, st) for n, shape, dt, st in self.full_meta]
-        # Parallelism, in the fixed order (parallelize.py): pp split → tp → dp (the reducer).
-        self.stage_module = parallelize_model(hf_model, layout)
-        apply_activation_checkpointing(self.stage_module, checkpoint_layers and trainable)  # step 3
-        # A language model's last stage outputs hidden states; its head (`lm_head`) runs in the loss,
-        # in token chunks (train.logits_chunk_tokens). A critic's (hidden → 1) value head stays in the stage.
-        self.stage_module.return_hidden = out_dim is None
-        self.head = self.stage_module.hf.lm_head if layout.is_last_stage else None
-        self.local = [(n.removeprefix("hf."), p) for n, p in self.stage_module.named_parameters()]
-        self.local += [(n.removeprefix("hf."), b) for n, b in self.stage_module.named_buffers()
-                       if n.removeprefix("hf.") in persistent]
-        self.optimizer = None
-        self.params: list[nn.Parameter] = []
-        self.master: list[nn.Parameter] = []  # the optimizer's parameters when master_dtype is set
-        self.master_by_name: dict[str, nn.Parameter] = {}
-        self.opt_params: list[nn.Parameter] = []
-        if trainable:
-            named = [(n, p) for n, p in self.local if isinstance(p, nn.Parameter) and p.requires_grad]
-            self.params = [p for _, p in named]
-            if self.master_dtype is not None:
-                self.master = [nn.Parameter(p.detach().to(self.master_dtype).clone()) for p in self.params]
-                self.master_by_name = {n: m for (n, _), m in zip(named, self.master)}
-                for p, m in zip(self.params, self.master):
-                    p.register_post_accumulate_grad_hook(lambda p, m=m: self._grad_to_master(p, m))
-            self.opt_params = self.master or self.params
-            self.reducer = DataParallelReducer(self.opt_params, layout)
-            betas = tuple(float(b) for b in train_cfg.adam_betas)
-            if len(betas) != 2:
-                raise ValueError(f"train.adam_betas must have 2 entries, got {train_cfg.adam_betas}")
-            # foreach=False: DTensor and plain-tensor parameters share one param group.
-            self.optimizer = torch.optim.AdamW(self.opt_params, lr=train_cfg.lr, betas=betas,  # type: ignore[arg-type]
-                                               eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay,
-                                               foreach=False)
-        else:
-            for _, p in self.local:
-                p.requires_grad_(False)
-        self.optimizer_steps = 0
-
-    def _stage_of(self, name: str) -> int:
-        pp = self.layout.pp
-        if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
-            return next(s for s in range(pp) if i in stage_layer_ids(self.config.num_hidden_layers, pp, s))
-        if name.startswith("model.embed_tokens."):
-            return 0
-        if name.startswith(("model.norm.", "lm_head.")):
-            return pp - 1
-        if pp == 1:
-            return 0
-        raise ValueError(f"cannot place parameter {name!r} on a pipeline stage: use p1 for this model")
-
-    def zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-            for p in self.params if self.master else ():
-                p.grad = None
-
-    @staticmethod
-    def _grad_to_master(p: torch.Tensor, m: torch.Tensor) -> None:
-        """Move a 16-bit gradient into the master's `.grad`: accumulated over micro-batches in the
-        master dtype (as Megatron's main_grad), the 16-bit one freed as soon as backward made it."""
-        if p.grad is None:
-            return
-        if m.grad is None:
-            m.grad = p.grad.to(m.dtype)
-        else:
-            m.grad.add_(p.grad)
-        p.grad = None
-
-    def reduce_grads(self) -> None:
-        """Gradients onto the optimizer's parameters, then the dp SUM all-reduce — in the master
-        dtype. With a master, each backward's 16-bit gradient already went to the master's fp32
-        `.grad` (a post-accumulate-grad hook); a gradient set some other way is moved here."""
-        for p, m in zip(self.params, self.master):
-            self._grad_to_master(p, m)
-        self.reducer.all_reduce_grads()
-
-    def step(self) -> None:
-        """AdamW on the optimizer's parameters, then master → model (cast to the compute dtype)."""
-        assert self.optimizer is not None
-        self.optimizer.step()
-        self.optimizer_steps += 1
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                local_tensor(p).copy_(local_tensor(m))
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors by HF name, parameters as the optimizer holds them (the fp32 master
-        where there is one): what pushes, checkpoints and exports read."""
-        return {n: self.master_by_name.get(n, t) for n, t in self.local}
-
-    def grad_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's gradients of the optimizer's parameters by HF name (after `reduce_grads`: reduced)."""
-        return {n: self.master_by_name.get(n, p).grad for n, p in self.local  # type: ignore[misc]
-                if isinstance(p, nn.Parameter) and self.master_by_name.get(n, p).grad is not None}
-
-    def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the full gradient (as `clip_grad_norm_` of one process), then clip.
-
-        Σ‖g‖² = Σ_tp(sharded DTensor shards) + replicated (counted once) — then Σ over pp stages;
-        dp ranks hold identical gradients after the all-reduce, so no dp sum.
-        """
-        from torch.distributed.tensor import DTensor
-
-        L = self.layout
-        dev = self.params[0].device if self.params else torch.device("cpu")
-        sq_shard = torch.zeros((), device=dev)
-        sq_repl = torch.zeros((), device=dev)
-        for p in self.opt_params:
-            if p.grad is None:
-                continue
-            g = p.grad
-            if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
-                sq_shard += local_tensor(g).float().pow(2).sum()
-            else:
-                sq_repl += local_tensor(g).float().pow(2).sum()
-        if L.tp > 1:
-            dist.all_reduce(sq_shard, group=L.tp_group)
-        total = sq_shard + sq_repl
-        if L.pp > 1:
-            dist.all_reduce(total, group=L.pp_group)
-        norm = total.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the formula of clip_grad_norm_
-        for p in self.opt_params:
-            if p.grad is not None:
-                local_tensor(p.grad).mul_(coef)
-        return norm
-
-    def gather_full(self, local: dict[str, torch.Tensor] | None, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """Full unsharded tensors in `full_meta` order on rank 0 ([] elsewhere); `local` None = the
-        state (`state_tensors`: the master where there is one). Collective: every rank calls it.
-        DTensors are all-gathered over tp; stage s's (dp 0, tp 0) rank sends its tensors to rank 0
-        flattened (one message per dtype) over the pool's world group. Parameters (and gradients)
-        travel in the state's dtype (`state_meta`), buffers in their own."""
-        from torch.distributed.tensor import DTensor
-
-        L = self.layout
-        local = self.state_tensors() if local is None else local
-        full_local = {}
-        for name, _, _, stage in self.full_meta:  # same order on every tp rank: the all-gathers pair up
-            if stage == L.pp_rank and name in local:
-                t = local[name].detach()
-                full_local[name] = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
-        if L.pp > 1:
-            for s in range(1, L.pp):
-                metas = [m for m in self.state_meta if m[3] == s]
-                for dt in sorted({m[2] for m in metas}, key=str):
-                    part = [m for m in metas if m[2] == dt]
-                    if L.rank == 0:
-                        flat = torch.empty(sum(math.prod(m[1]) for m in part), dtype=dt, device=device)
-                        dist.recv(flat, src=L.stage_rank(s), group=L.world_group)
-                        off = 0
-                        for name, shape, _, _ in part:
-                            k = math.prod(shape)
-                            full_local[name] = flat[off:off + k].view(shape)
-                            off += k
-                    elif L.rank == L.stage_rank(s):
-                        flat = torch.cat([full_local[m[0]].reshape(-1) for m in part])
-                        dist.send(flat, dst=0, group=L.world_group)
-        if L.rank != 0:
-            return []
-        return [(name, full_local[name]) for name, *_ in self.full_meta]
-
-    def load_full(self, full: dict[str, torch.Tensor], where: str) -> None:
-        """Copy full (unsharded) tensors into this rank's shard of every local tensor."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        with torch.no_grad():
-            for name, t in self.local:
-                if name not in full:
-                    if self.tied and name == "lm_head.weight":
-                        continue  # tied to model.embed_tokens.weight, loaded through it
-                    raise KeyError(f"{where} lacks {name}")
-                for dst in (t, self.master_by_name.get(name)):  # the master from the file, not from t
-                    if dst is None:
-                        continue
-                    if isinstance(dst, DTensor):
-                        shard = distribute_tensor(full[name].to(dst.dtype), dst.device_mesh, dst.placements,
-                                                  src_data_rank=None)
-                        dst.to_local().copy_(shard.to_local())
-                    else:
-                        dst.copy_(full[name])
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """weights_only-loadable optimizer state: DTensor state → this rank's local shard."""
-        from torch.distributed.tensor import DTensor
-
-        assert self.optimizer is not None
-        osd = self.optimizer.state_dict()
-        osd["state"] = {k: {n: (v.to_local() if isinstance(v, DTensor) else v) for n, v in st.items()}
-                        for k, st in osd["state"].items()}
-        return osd
-
-    def load_optimizer_state(self, osd: dict[str, Any]) -> None:
-        from torch.distributed.tensor import DTensor
-
-        assert self.optimizer is not None
-        self.optimizer.load_state_dict(osd)  # casts floating state to the parameters' (master) dtype
-        for p in self.opt_params:  # local shards back to DTensors like their parameter
-            if isinstance(p, DTensor):
-                st = self.optimizer.state.get(p, {})
-                for k, v in list(st.items()):
-                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
-                        st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False)
-
-
-def _value_head_model(hf_model: nn.Module) -> nn.Module:
-    """The critic: the same architecture with `lm_head` replaced by a zero-initialised (hidden → 1)
-    value head, so V starts at 0 everywhere and every parallel strategy applies unchanged."""
-    w = hf_model.get_input_embeddings().weight
-    head = nn.Linear(hf_model.config.hidden_size, 1, bias=False).to(device=w.device, dtype=w.dtype)
-    nn.init.zeros_(head.weight)
-    hf_model.lm_head = head
-    hf_model.config.tie_word_embeddings = False  # the value head is its own tensor
-    return hf_model
 
 
 class Trainer:
@@ -376,8 +123,6 @@ class Trainer:
         compute_entropy: bool | None = None,
         gradient_checkpointing: bool = False,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)} (model.dtype)")
         md = train_cfg.master_dtype
@@ -409,27 +154,24 @@ class Trainer:
             raise ValueError("reward.overlong_buffer_len needs the generation length: pass max_new_tokens")
         self.loss_norm_const = train_cfg.loss_norm_const or float(max_new_tokens or 0) or None
 
-        def load(path: str) -> nn.Module:
-            m = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device)
-            m.eval()  # no dropout: train the sampled policy itself
-            return m
-
         torch.manual_seed(train_cfg.seed)  # same seed on every rank: identical RNG streams
-        actor = load(model_path)
-        self.config = actor.config
-        self.pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
         self.gradient_checkpointing = bool(gradient_checkpointing)
-        self.actor = _ModelShard(actor, layout, trainable=True, out_dim=None, train_cfg=train_cfg,
-                                 checkpoint_layers=self.gradient_checkpointing)
-        self.critic: _ModelShard | None = None
+        self.dp_sharding = effective_dp_sharding(train_cfg.dp_sharding, layout)
+        build = dict(train_cfg=train_cfg, compute_dtype=self.dtype, master_dtype=DTYPES[md], device=self.device,
+                     dp_sharding=self.dp_sharding, checkpoint_layers=self.gradient_checkpointing)
+        self.actor = build_model(model_path, "actor", layout, param_offload=train_cfg.param_offload,
+                                 optimizer_offload=train_cfg.optimizer_offload, **build)
+        self.config = self.actor.config
+        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        self.critic: ShardedModel | None = None
+        c = self.critic_cfg
         if self.alg.adv_estimator == "gae":
-            self.critic = _ModelShard(_value_head_model(load(self.critic_cfg.path or model_path)), layout,
-                                      trainable=True, out_dim=1, train_cfg=train_cfg,
-                                      checkpoint_layers=self.gradient_checkpointing)
-        self.ref: _ModelShard | None = None
+            self.critic = build_model(c.path or model_path, "critic", layout, converters=(value_head,),
+                                      param_offload=c.param_offload, optimizer_offload=c.optimizer_offload, **build)
+        self.ref: ShardedModel | None = None
+        r = ref or RefConfig()
         if self.alg.kl_loss_on or self.alg.kl_reward_on:
-            self.ref = _ModelShard(load((ref or RefConfig()).path or model_path), layout, trainable=False,
-                                   out_dim=None, train_cfg=train_cfg)
+            self.ref = build_model(r.path or model_path, "reference", layout, param_offload=r.param_offload, **build)
         if self.is_rank0:
             log.info("learner precision: %s", self.precision_policy)
             if md == dtype != "float32":
@@ -457,6 +199,20 @@ class Trainer:
                 + (f"logits in chunks of {chunk} tokens" if chunk else "logits unchunked"))
 
     @property
+    def sharding_policy(self) -> str:
+        """One line: how the dp ranks split the models (logged at start)."""
+        L, req = self.layout, self.cfg.dp_sharding
+        if self.dp_sharding == "none":
+            why = "" if req == "none" else f" (train.dp_sharding={req}: nothing to shard over at dp={L.dp})"
+            return f"replicated over dp={L.dp}, gradients all-reduced{why}"
+        zero = {"full": "ZeRO-3: parameters gathered per layer, freed after forward",
+                "grad_op": "ZeRO-2: gathered parameters kept from forward to backward"}[self.dp_sharding]
+        off = [f"{m.role} {what}" for m in (self.actor, self.critic, self.ref) if m is not None
+               for what, on in (("parameters", m.param_offload), ("AdamW state", m.optimizer_offload)) if on]
+        return (f"FSDP2 over dp={L.dp} (train.dp_sharding={self.dp_sharding}, {zero}); parameters, "
+                f"gradients and AdamW state in 1/{L.dp} shards" + (f"; offloaded to host: {', '.join(off)}" if off else ""))
+
+    @property
     def precision_policy(self) -> str:
         """One line: compute, master, grad-reduce and optimizer-state dtypes (logged at start)."""
         c = str(self.dtype).removeprefix("torch.")
@@ -475,16 +231,39 @@ class Trainer:
         return self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_minibatches
 
     # ---- forward-only passes (before any update) -------------------------------------------------
+    def _micro_batches(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int],
+                       channels: dict[int, SampleArrays] | None = None) -> list[MicroBatch | None]:
+        """This dp rank's micro-batches of `rows`. Under FSDP every dp rank must run as many
+        forwards (and backwards) as the others — each one all-gathers and reduce-scatters over dp —
+        so the shorter lists are filled up with `None` (a one-row padding batch that adds nothing)
+        to the dp maximum (one small host all-reduce)."""
+        mbs: list[MicroBatch | None] = list(pack(samples, rows, channels, micro_batch_tokens=self.cfg.micro_batch_tokens,
+                                                 pad_id=self.pad_id, device=self.device))
+        if shard.fsdp:
+            n = self._dp_max(len(mbs))
+            mbs += [None] * (n - len(mbs))
+        return mbs
+
+    def _dp_max(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.layout.group_for(t, "dp"))
+        return int(t.item())
+
+    def _filler(self) -> MicroBatch:
+        """A (1, 2) all-padding micro-batch with loss mask 0: keeps a dp rank in step under FSDP."""
+        return MicroBatch(input_ids_BT=torch.full((1, 2), self.pad_id, dtype=torch.int64, device=self.device),
+                          targets_BT1C=torch.zeros((1, 1, NUM_CHANNELS), device=self.device), rows=[], num_tokens=[])
+
     @torch.no_grad()
-    def _forward_only(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int], keep) -> SampleArrays:
+    def _forward_only(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int], keep) -> SampleArrays:
         """Per-token results of `rows`, streamed: each micro-batch's last-stage output goes through
         `keep(mb, y) -> per-token tensor (B, T−1)` at once and is dropped (never every micro-batch's
         output at once). With p > 1 the stages pass activations with point-to-point sends inside the
         pp group (GPipe order, forward only); only the last stage returns results."""
         L = self.layout
         arrays: SampleArrays = {}
-        for mb in pack(samples, rows, micro_batch_tokens=self.cfg.micro_batch_tokens, pad_id=self.pad_id,
-                       device=self.device):
+        for mb in self._micro_batches(shard, samples, rows):
+            mb = mb or self._filler()
             B, T = mb.input_ids_BT.shape
             if L.pp == 1 or L.is_first_stage:
                 x = mb.input_ids_BT
@@ -493,13 +272,15 @@ class Trainer:
                 dist.recv(x, group=L.pp_group, group_src=L.pp_rank - 1)
             y = shard.stage_module(x)
             if L.is_last_stage:
-                arrays.update(unpack_rows(mb, keep(mb, y)))
+                if mb.rows:
+                    arrays.update(unpack_rows(mb, keep(mb, y)))
             else:
                 dist.send(y.contiguous(), group=L.pp_group, group_dst=L.pp_rank + 1)
             del y
+        shard.reshard()  # FSDP keeps the root's gathered parameters after a forward: free them
         return arrays
 
-    def _forward_logprobs(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
+    def _forward_logprobs(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
         """π's logprobs on the loss positions (0 elsewhere), the head run in token chunks."""
         def keep(mb, h_BTH):
             lp, _ = chunked_token_logprobs(h_BTH[:, :-1], shard.head, mb.input_ids_BT[:, 1:], self.temperature,
@@ -509,7 +290,7 @@ class Trainer:
 
         return self._forward_only(shard, samples, rows, keep)
 
-    def _forward_values(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
+    def _forward_values(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
         return self._forward_only(shard, samples, rows, lambda mb, v_BT1: v_BT1[:, :-1, 0])
 
     # ---- advantages (last pipeline stage) -------------------------------------------------------
@@ -667,17 +448,22 @@ class Trainer:
         return loss_fn
 
     # ---- forward/backward -------------------------------------------------------------------------
-    def _forward_backward(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int],
+    def _forward_backward(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int],
                           channels: dict[int, SampleArrays], loss_fn) -> None:
-        """Accumulate this rank's share of ∇L into `.grad` (before the dp all-reduce)."""
+        """Accumulate this rank's share of ∇L into `.grad` (before the dp all-reduce; FSDP
+        reduce-scatters each micro-batch's as its backward runs)."""
         if self.layout.pp == 1:
-            for mb in pack(samples, rows, channels, micro_batch_tokens=self.cfg.micro_batch_tokens,
-                           pad_id=self.pad_id, device=self.device):
-                loss_fn(shard.stage_module(mb.input_ids_BT), mb.targets_BT1C).backward()
+            for mb in self._micro_batches(shard, samples, rows, channels):
+                mb = mb or self._filler()
+                y = shard.stage_module(mb.input_ids_BT)
+                loss = loss_fn(y, mb.targets_BT1C)
+                if not loss.requires_grad:  # no loss position in this micro-batch: a zero gradient, so
+                    loss = loss + 0.0 * y.float().sum()  # the backward (and FSDP's reduce-scatter) still runs
+                loss.backward()
             return
         self._pipeline_forward_backward(shard, samples, rows, channels, loss_fn)
 
-    def _pipeline_forward_backward(self, shard: _ModelShard, samples: list[Trajectory], rows: list[int],
+    def _pipeline_forward_backward(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int],
                                    channels: dict[int, SampleArrays], loss_fn) -> None:
         """One pipeline schedule over this dp rank's share: one right-padded (B, T) batch split into
         n equal micro-batches (B padded with all-padding rows of loss mask 0, which add nothing)."""
@@ -692,6 +478,8 @@ class Trainer:
         B, T = ids_BT.shape
         n = self.cfg.pp_microbatches or max(L.pp, math.ceil(B * T / self.cfg.micro_batch_tokens))
         n = max(n, L.pp) if self.cfg.pp_schedule == "1f1b" else n
+        if shard.fsdp:  # every dp rank of a stage runs as many micro-batches (FSDP's collectives pair up)
+            n = self._dp_max(n)
         pad_rows = (-B) % n
         if pad_rows:
             ids_BT = torch.cat([ids_BT, torch.full((pad_rows, T), self.pad_id, dtype=ids_BT.dtype, device=self.device)])
@@ -717,7 +505,7 @@ class Trainer:
                     dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
         return sums, maxes
 
-    def _optimizer_step(self, shard: _ModelShard, loss_tokens: int, loss: torch.Tensor, base_lr: float,
+    def _optimizer_step(self, shard: ShardedModel, loss_tokens: int, loss: torch.Tensor, base_lr: float,
                         extra: torch.Tensor) -> tuple[float, str, float, list[float]]:
         """dp all-reduce → norm + clip → finite check → step. Returns (grad norm, skip reason, lr, extra).
 

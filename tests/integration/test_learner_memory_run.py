@@ -41,13 +41,17 @@ def test_gradient_checkpointing_and_logits_chunks_under_launcher(tmp_path, run_l
     assert all(r.get("entropy") is None or math.isnan(r["entropy"]) for r in rows)
 
 
-def test_demo_learns_with_gradient_checkpointing(tmp_path, run_launcher):
-    """The demo (0.8 is usually passed by step ~120–140, configs/demo.yaml) with every decoder layer
-    recomputed in backward and logits in chunks: the learning is the same learning."""
+def test_demo_learns_sharded_with_gradient_checkpointing(tmp_path, run_launcher):
+    """The demo (0.8 is usually passed by step ~120–140, configs/demo.yaml) on a 2-rank FSDP learner
+    (`fsdp:d2`: parameters, gradients and AdamW state in halves) with every decoder layer recomputed
+    in backward and logits in chunks: the learning is the same learning."""
     run_dir = tmp_path / "run"
     rc, out = run_launcher(run_dir, "train.total_steps=200", "train.test_freq=0",
-                           "model.enable_gradient_checkpointing=true", "train.logits_chunk_tokens=16")
+                           "model.enable_gradient_checkpointing=true", "train.logits_chunk_tokens=16",
+                           allocation="embedded:d1+fsdp:d2", timeout=600)
     assert rc == 0, out[-4000:]
-    assert "gradient checkpointing on (actor)" in (run_dir / "logs" / "learner.log").read_text()
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "gradient checkpointing on (actor)" in log
+    assert "FSDP2 over dp=2 (train.dp_sharding=full" in log
     rewards = [r["reward_mean"] for r in _rows(run_dir)]
     assert len(rewards) == 200 and sum(rewards[-5:]) / 5 >= 0.8, rewards[::10]

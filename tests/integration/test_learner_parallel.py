@@ -1,7 +1,9 @@
 """Numerical equivalence of the learner pool on CPU (gloo): for a tiny Qwen2 and a fixed batch of
 TrajectoryGroups, the loss, the full gradients (after dp reduction and clipping) and the weights
 after one optimizer step under d2, p2 (1F1B and GPipe), t2, d2p2, d2t2 and p2t2 equal a plain
-single-process oracle written here (one padded batch, the published loss; fp32, 1e-5).
+single-process oracle written here (one padded batch, the published loss; fp32, 1e-5). Every
+layout with d2 runs three ways: `train.dp_sharding=full` (FSDP2, ZeRO-3; 2-D with TP, each pipeline
+stage sharded), `grad_op` (ZeRO-2) and `none` (replicated) — the dp gradient stays a SUM either way.
 
 A second config per layout — GAE with its critic, a KL loss to the frozen reference and two PPO
 minibatches (so π_prox is recomputed by a forward-only pass, on a pipeline too) — must give the
@@ -26,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from areal_like.api.config import TrainConfig
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import synthetic_groups
-from areal_like.api.config import AlgorithmConfig
+from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
 from areal_like.learner.trainer import Trainer
 
 pytestmark = pytest.mark.integration
@@ -38,7 +40,10 @@ TEMP = 0.9
 # exceeds 1e-5 for lr=1e-2, whatever the layout (even between thread counts of one process).
 CFG = dict(lr=1e-2, grad_clip=0.2, micro_batch_tokens=40, seed=3, behav_imp_weight_cap=2.0, warmup_steps=0,
            adam_eps=1e-6)
-LAYOUTS = {2: ["d2", "p2", "p2-gpipe", "t2"], 4: ["d2p2", "d2t2", "p2t2"]}
+# "-full"/"-grad_op": train.dp_sharding (FSDP2 ZeRO-3 / ZeRO-2); "-none": replicated dp; "-offload":
+# full with every offload key on (on CPU the host is the device: the wiring runs, no number changes).
+LAYOUTS = {2: ["d2-none", "d2-full", "d2-grad_op", "d2-offload", "p2", "p2-gpipe", "t2"],
+           4: ["d2p2-none", "d2p2-full", "d2p2-grad_op", "d2t2-none", "d2t2-full", "d2t2-grad_op", "p2t2"]}
 EXT_CFG = dict(CFG, ppo_minibatches=2)
 EXT_ALG = AlgorithmConfig(adv_estimator="gae", use_kl_loss=True, kl_loss_coef=0.1, lam=0.95)
 EXT_KEYS = ("loss", "grad_norm", "kl_ref", "value_loss", "clipfrac", "optimizer_steps", "adv_abs_mean")
@@ -62,8 +67,11 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
     try:
         groups = synthetic_groups(7)
         for name in LAYOUTS[world]:
-            layout, _, sched = name.partition("-")
-            cfg = TrainConfig(**CFG, pp_schedule=sched or "1f1b", collective_timeout_s=120)
+            layout, _, variant = name.partition("-")
+            sched = variant if variant == "gpipe" else "1f1b"
+            sharding = variant if variant in ("full", "grad_op", "none") else "full"
+            off = dict(param_offload=True, optimizer_offload=True) if variant == "offload" else {}
+            cfg = TrainConfig(**CFG, pp_schedule=sched, collective_timeout_s=120, dp_sharding=sharding, **off)
             ln = Trainer(model_dir, cfg, layout, temperature=TEMP)
             st = ln.train_step(groups, version=0)
             grads = ln.named_full_grads()
@@ -75,9 +83,10 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                     json.dump({k: st[k] for k in ("loss", "grad_norm", "loss_tokens", "skipped", "clipfrac",
                                                   "entropy", "behav_w_max")}, f)
             del ln
-            ext = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched or "1f1b", collective_timeout_s=120,
-                                                 logits_chunk_tokens=5),
-                          layout, temperature=TEMP, algorithm=EXT_ALG, gradient_checkpointing=True)
+            ext = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched, collective_timeout_s=120,
+                                                 logits_chunk_tokens=5, dp_sharding=sharding, **off),
+                          layout, temperature=TEMP, algorithm=EXT_ALG, gradient_checkpointing=True,
+                          critic=CriticConfig(**off), ref=RefConfig(param_offload=bool(off)))
             st = ext.train_step(groups, version=0)
             weights = ext.named_tensors_for_push()
             critic = ext.critic.gather_full(dict(ext.critic.local), ext.device)

@@ -67,7 +67,8 @@ def model_dir(tmp_path_factory) -> str:
                             num_layers=2, num_heads=4, num_kv_heads=2, seed=1)
 
 
-@pytest.mark.parametrize("layout,world", [("d1", 1), ("t2", 2), ("p2", 2)])
+# d2: FSDP2 (train.dp_sharding=full, the default) — each rank's optimizer file holds its own shards
+@pytest.mark.parametrize("layout,world", [("d1", 1), ("t2", 2), ("p2", 2), ("d2", 2)])
 def test_kill_after_step_k_and_resume(model_dir, tmp_path, layout, world):
     full = tmp_path / "full" / "losses.jsonl"
     full.parent.mkdir()
@@ -85,5 +86,6 @@ def test_kill_after_step_k_and_resume(model_dir, tmp_path, layout, world):
     assert b[K + 1] == a[K + 1], (a, b)  # bit-exact
     with open(ckpt / f"step_{K + 1:08d}" / "meta.json") as f:
         meta = json.load(f)
+    assert meta["dp_sharding"] == ("full" if layout == "d2" else "none")
     assert meta["step"] == K + 1 and meta["extra"]["resumed_from"] == K and meta["layout"] == str(layout).replace(
-        "d1", "d1p1t1").replace("t2", "d1p1t2").replace("p2", "d1p2t1")
+        "d1", "d1p1t1").replace("t2", "d1p1t2").replace("p2", "d1p2t1").replace("d2", "d2p1t1")

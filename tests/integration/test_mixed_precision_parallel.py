@@ -1,8 +1,10 @@
 """bf16 compute with an fp32 master (issue 25 item 3) under the sharded layouts: on 4 CPU ranks
 (gloo) the tiny Qwen2 trains with GAE (critic), a KL loss to the reference and two PPO minibatches
-under d2p2 (dp × pipeline) and d2t2 (dp × tensor parallel, DTensor masters). On every rank the model
-parameters are bf16 and exactly the fp32 master rounded once, the optimizer's parameters and AdamW
-moments are fp32; the pushed weights are the fp32 master; a checkpoint round trip restores the
+under d2p2 (dp × pipeline) and d2t2 (dp × tensor parallel, DTensor masters), each with replicated dp
+(`train.dp_sharding=none`) and with FSDP2 (`full`). Replicated: on every rank the model parameters are
+bf16 and exactly the fp32 master rounded once; FSDP: the stored dp shards are fp32 (the master) and
+the layers compute with bf16 weights (FSDP's mixed-precision all-gather). Either way the optimizer's
+parameters and AdamW moments are fp32; the pushed weights are the fp32 master; a checkpoint round trip restores the
 masters bit-exactly (sharded optimizer state included). Numerically the run tracks the fp32
 single-process Trainer within bf16's tolerance (stated below)."""
 
@@ -29,7 +31,9 @@ TEMP = 0.9
 CFG = dict(lr=1e-3, grad_clip=0.5, micro_batch_tokens=40, seed=3, behav_imp_weight_cap=2.0, adam_eps=1e-6,
            ppo_minibatches=2, collective_timeout_s=120)
 ALG = AlgorithmConfig(adv_estimator="gae", use_kl_loss=True, kl_loss_coef=0.1, lam=0.95)
-LAYOUTS = ["d2p2", "d2t2"]
+# "-none": replicated dp, the optimizer's separate fp32 master; "-full": FSDP2, whose fp32 shards are
+# the master and whose mixed-precision policy all-gathers them as bf16 for compute.
+LAYOUTS = ["d2p2-none", "d2t2-none", "d2p2-full", "d2t2-full"]
 STEPS = 2
 # bf16 forward/backward against the fp32 single-process run: losses within 1e-3 absolute (they are
 # O(1e-2); measured ≤ 4.3e-5), gradient norms and value losses within 2 % (measured ≤ 0.15 %), and the
@@ -48,13 +52,26 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        for layout in LAYOUTS:
-            make = lambda: Trainer(model_dir, TrainConfig(**CFG), layout, temperature=TEMP,  # noqa: E731
-                                   dtype="bfloat16", algorithm=ALG)
+        for name in LAYOUTS:
+            layout, _, sharding = name.partition("-")
+            make = lambda: Trainer(model_dir, TrainConfig(**CFG, dp_sharding=sharding), layout,  # noqa: E731
+                                   temperature=TEMP, dtype="bfloat16", algorithm=ALG)
             ln = make()
-            stats = [ln.train_step(synthetic_groups(20 + s, version=s), version=s) for s in range(STEPS)]
-            checks = []
+            computed_in = []  # dtype of a decoder layer's weight while its forward runs
             for shard in (ln.actor, ln.critic):
+                layer = shard.stage_module.hf.model.layers[shard.stage_module.layer_ids[0]]
+                layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: computed_in.append(m.weight.dtype))
+            stats = [ln.train_step(synthetic_groups(20 + s, version=s), version=s) for s in range(STEPS)]
+            checks = [bool(computed_in) and set(computed_in) == {torch.bfloat16}]
+            for shard in (ln.actor, ln.critic):
+                assert shard.fsdp == (sharding == "full")
+                if shard.fsdp:  # the fp32 dp shards are the optimizer's parameters: no separate master
+                    assert not shard.master and shard.opt_params == shard.params
+                    for p in shard.params:
+                        st = shard.optimizer.state[p]
+                        checks.append(p.dtype == torch.float32 and "dp" in str(p.device_mesh.mesh_dim_names)
+                                      and local_tensor(st["exp_avg"]).dtype == torch.float32)
+                    continue
                 assert shard.master and len(shard.master) == len(shard.params)
                 for p, m in zip(shard.params, shard.master):
                     st = shard.optimizer.state[m]
@@ -64,22 +81,33 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                                   and local_tensor(st["exp_avg"]).dtype == torch.float32)
             weights = [(n, t.clone()) for n, t in ln.named_tensors_for_push()]  # rank 0's alias the master
             critic = [(n, t.clone()) for n, t in ln.critic.gather_full(None, ln.device)]
-            ck = save_checkpoint(ln, os.path.join(out_dir, f"{layout}.ckpt"))
+            ck = save_checkpoint(ln, os.path.join(out_dir, f"{name}.ckpt"))
             resumed = make()
             load_checkpoint(resumed, ck)
             restored = all(torch.equal(local_tensor(a), local_tensor(b))
                            for x, y in ((resumed.actor, ln.actor), (resumed.critic, ln.critic))
-                           for a, b in zip(x.master, y.master))
+                           for a, b in zip(x.opt_params, y.opt_params))
             nxt = [r.train_step(synthetic_groups(20 + STEPS, version=STEPS), version=STEPS)["loss"]
                    for r in (ln, resumed)]
-            flags = torch.tensor([float(all(checks)), float(restored), float(nxt[0] == nxt[1])])
+            refused = True
+            if sharding == "full":  # FSDP's optimizer shards do not load into a replicated pool: a clear error
+                other = Trainer(model_dir, TrainConfig(**CFG, dp_sharding="none"), layout, temperature=TEMP,
+                                dtype="bfloat16", algorithm=ALG)
+                try:
+                    load_checkpoint(other, ck)
+                    refused = False
+                except ValueError as e:
+                    refused = "train.dp_sharding=full" in str(e)
+                del other
+            flags = torch.tensor([float(all(checks)), float(restored), float(nxt[0] == nxt[1]), float(refused)])
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
             if rank == 0:
-                save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{layout}.actor.safetensors"))
-                save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{layout}.critic.safetensors"))
-                with open(os.path.join(out_dir, f"{layout}.json"), "w") as f:
+                save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.actor.safetensors"))
+                save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{name}.critic.safetensors"))
+                with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
                     json.dump({"stats": [{k: s[k] for k in ("loss", "grad_norm", "value_loss", "kl_ref")} for s in stats],
-                               "dtypes_ok": bool(flags[0]), "restored": bool(flags[1]), "resume_loss_equal": bool(flags[2])}, f)
+                               "dtypes_ok": bool(flags[0]), "restored": bool(flags[1]), "resume_loss_equal": bool(flags[2]),
+                               "other_sharding_refused": bool(flags[3])}, f)
             del ln, resumed
     finally:
         dist.destroy_process_group()
@@ -116,8 +144,9 @@ def test_bf16_with_fp32_master_under_sharded_layouts(layout, fp32_reference, bf1
     init, ref_stats, ref_weights = fp32_reference
     with open(os.path.join(bf16_runs, f"{layout}.json")) as f:
         res = json.load(f)
-    assert res["dtypes_ok"], "bf16 model = fp32 master rounded, fp32 AdamW state, on every rank"
+    assert res["dtypes_ok"], "bf16 compute, fp32 master (FSDP: its shards), fp32 AdamW state, on every rank"
     assert res["restored"] and res["resume_loss_equal"], "checkpoint round trip of the sharded fp32 master"
+    assert res["other_sharding_refused"], "an FSDP checkpoint loaded into a replicated pool: refused, naming the key"
     for got, want in zip(res["stats"], ref_stats, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], abs=LOSS_ABS)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=NORM_REL)

@@ -195,18 +195,18 @@ def test_micro_batch_gradients_accumulate_in_fp32(model_dir, monkeypatch):
     """Many micro-batches: each one's bf16 gradient is added into the master's fp32 `.grad` as soon as
     backward makes it (the bf16 one freed), so the accumulated gradient is the exact fp32 sum — not
     a bf16 running sum rounded after every micro-batch."""
-    from areal_like.learner.trainer import _ModelShard
+    from areal_like.learner.parallel.sharded_model import ShardedModel
 
     ln = Trainer(model_dir, cfg(micro_batch_tokens=24), temperature=TEMP, dtype="bfloat16")
     seen: dict[int, list[torch.Tensor]] = {}
-    orig = _ModelShard._grad_to_master
+    orig = ShardedModel._grad_to_master
 
     def record(p, m):
         if p.grad is not None:
             seen.setdefault(id(m), []).append(p.grad.detach().clone())
         orig(p, m)
 
-    monkeypatch.setattr(_ModelShard, "_grad_to_master", staticmethod(record))
+    monkeypatch.setattr(ShardedModel, "_grad_to_master", staticmethod(record))
     at_reduce = {}
 
     def capture():

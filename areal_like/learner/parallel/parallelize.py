@@ -1,24 +1,25 @@
 """Apply a `ParallelLayout` to a plain HF causal LM — one function per strategy.
 
 The model file (transformers' Qwen2/Llama) knows nothing of parallelism; everything is applied
-here, afterwards, in this fixed order (as torchtitan):
+here, afterwards, in this fixed order (as torchtitan; `learner/model.py` calls them):
 
     1. pipeline split   `split_pipeline_stage`  — keep only this stage's layers (HF names kept)
     2. tensor parallel  `apply_tensor_parallel` — DTensor plans on the attention/MLP projections
-    3. activation checkpointing `apply_activation_checkpointing` — per decoder layer (opt-in;
-                         compile: not applied)
-    4. data parallel    `DataParallelReducer`   — gradient all-reduce over the dp group, last,
-                         because it must see the final (TP-sharded, stage-local) parameters
+    3. activation checkpointing `apply_activation_checkpointing` — per decoder layer (opt-in)
+    4. data parallel, last, because it must see the final (TP-sharded, stage-local) parameters:
+         `train.dp_sharding=full|grad_op`  `apply_fsdp` — FSDP2 `fully_shard` of each decoder layer,
+                         then the stage (its embedding, final norm and head), over the dp sub-mesh
+                         (2-D with TP: the tp DTensors are sharded again over dp)
+         `train.dp_sharding=none`  `DataParallelReducer` — a bucketed SUM all-reduce of replicated
+                         gradients after the last micro-batch (built by `ShardedModel`)
 
 The pipeline split comes first only because it removes modules; TP then parallelises what is
 left, exactly as it would the full model.
 
-Data parallel is an explicit bucketed all-reduce (SUM) of gradients after the last micro-batch,
-not `DistributedDataParallel`: the decoupled-PPO loss is already divided by the *global*
-loss-token count, so the data-parallel gradient is the SUM over ranks (DDP would average), and
-DDP's wrapper would rename parameters away from their HF names and compose poorly with DTensor
-parameters inside pipeline stages. FSDP2 (`fully_shard`) is the path for models that do not fit
-replicated; it is not wired here (see the report's limits).
+Both data-parallel paths SUM gradients over dp: the decoupled-PPO loss is already divided by the
+*global* loss-token count, so averaging (DDP's and FSDP's default) would be wrong — FSDP gets a
+gradient divide factor of 1. No `DistributedDataParallel`: its wrapper renames parameters away from
+their HF names and composes poorly with DTensor parameters inside pipeline stages.
 
 What this module does not do: no data, no loss, no optimizer.
 """
@@ -61,6 +62,10 @@ class PipelineStageModule(nn.Module):
         # of lm_head's output, so the log-probabilities run the head in token chunks (logprobs.py).
         self.return_hidden = False
         self.checkpoint_layers = False  # step 3: recompute each decoder layer in backward
+        # The dtype activations flow in (model.dtype); under FSDP's mixed precision the stored
+        # parameters may be wider (the fp32 master shards). Set by the model builder.
+        self.compute_dtype = next(hf_model.parameters()).dtype
+        self.offload = False  # FSDP keeps the shards in host memory (step 4, `apply_fsdp`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -126,7 +131,7 @@ def build_pipeline_schedule(stage_module: PipelineStageModule, layout: ParallelL
     # which runs an extra forward on uninitialised buffers (and would call the loss on garbage).
     B, T = microbatch_shape
     cfg = stage_module.hf.config
-    dtype = next(stage_module.parameters()).dtype
+    dtype = stage_module.compute_dtype  # activations' dtype (FSDP may store wider parameters)
     meta = torch.device("meta")
     x = (torch.empty(B, T, dtype=torch.int64, device=meta) if stage_module.first
          else torch.empty(B, T, cfg.hidden_size, dtype=dtype, device=meta, requires_grad=True))  # ∂L/∂h goes back
@@ -192,8 +197,9 @@ class DataParallelReducer:
 
     `params` are the optimizer's parameters: with a 16-bit `model.dtype` and an fp32 master
     (`train.master_dtype`) these are the fp32 masters, whose `.grad` accumulated the 16-bit model
-    gradients of every micro-batch in fp32 (`_ModelShard._grad_to_master`) — so the reduction runs in fp32.
+    gradients of every micro-batch in fp32 (`ShardedModel._grad_to_master`) — so the reduction runs in fp32.
 
+    `train.dp_sharding=none` only (FSDP reduce-scatters in backward instead).
     Called once per optimizer step, after the last micro-batch's backward (no overlap with the
     backward pass — fine for the models this runs on; DDP-style hooks would add overlap). A
     parameter without a gradient on this rank (it got no samples) joins with zeros, so every dp
@@ -233,14 +239,60 @@ class DataParallelReducer:
                 bucket = []
 
 
-def parallelize_model(hf_model: nn.Module, layout: ParallelLayout) -> PipelineStageModule:
-    """The fixed order: pipeline split → tensor parallel → (ac, compile: none) → data parallel.
+def apply_fsdp(stage: PipelineStageModule, layout: ParallelLayout, *, mode: str, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, offload: bool = False) -> None:
+    """Step 4 with `train.dp_sharding=full|grad_op`: FSDP2 over the dp sub-mesh, in place.
 
-    Returns this rank's stage module; the data-parallel reducer is built by the learner over the
-    stage's final parameters (step 4 of the module docstring).
+    Each decoder layer is one FSDP unit (one all-gather in forward, one reduce-scatter in backward);
+    the stage itself is the root unit (embedding, final norm, lm_head or value head). `full`
+    (ZeRO-3) frees each layer's gathered parameters after its forward and gathers them again in
+    backward; `grad_op` (ZeRO-2) keeps them until backward. The root is never resharded after
+    forward (FSDP's rule), which is what lets the loss run `lm_head` on the hidden states in chunks
+    after the stage returned. Mixed precision: the stored shards keep their dtype (the master);
+    `param_dtype` is what forward computes in, `reduce_dtype` what gradients are reduced in.
+    Gradients are SUMmed (divide factor 1) and a parameter a micro-batch did not use joins the
+    reduce-scatter with zeros (a dp rank's micro-batch may hold no loss position).
+
+    `offload` (`train.param_offload`, …): FSDP2's CPU offload policy — the shards and their
+    gradients live in host memory (pinned on CUDA), each unit copied to the device for its
+    all-gather, and the optimizer steps on the host."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if mode not in ("full", "grad_op"):
+        raise ValueError(f"train.dp_sharding={mode!r}: use full, grad_op or none")
+    mesh = layout.submesh("dp")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    off = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    inner = stage.hf.model
+    for i in stage.layer_ids:
+        fully_shard(inner.layers[i], mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=mode == "full")
+    fully_shard(stage, mesh=mesh, mp_policy=mp, offload_policy=off)
+    for m in stage.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    stage.set_reduce_scatter_unused_params(True)  # type: ignore[attr-defined]
+    stage.compute_dtype = param_dtype
+    stage.offload = offload
+
+
+def parallelize_model(hf_model: nn.Module, layout: ParallelLayout, *, checkpoint_layers: bool = False,
+                      dp_sharding: str = "none", compute_dtype: torch.dtype | None = None,
+                      reduce_dtype: torch.dtype | None = None, offload: bool = False) -> PipelineStageModule:
+    """The fixed order: pipeline split → tensor parallel → activation checkpointing → data parallel.
+
+    Returns this rank's stage module. With `dp_sharding` full/grad_op the stage is FSDP-sharded here;
+    with `none` the data-parallel reducer is built by `ShardedModel` over the stage's final parameters.
     """
     stage = split_pipeline_stage(hf_model, layout)  # 1
     apply_tensor_parallel(stage, layout)  # 2
+    apply_activation_checkpointing(stage, checkpoint_layers)  # 3
+    if dp_sharding != "none":  # 4
+        dtype = compute_dtype or stage.compute_dtype
+        apply_fsdp(stage, layout, mode=dp_sharding, param_dtype=dtype, reduce_dtype=reduce_dtype or dtype,
+                   offload=offload)
+    elif offload:
+        raise ValueError("parameter offload goes through FSDP: set train.dp_sharding=full with d ≥ 2")
     return stage
 
 

@@ -1,0 +1,345 @@
+"""`ShardedModel`: one model of the learner on this rank, after `learner/model.py` built it.
+
+It owns what a parallel layout changes about a model — this rank's pipeline stage (TP-sharded, and
+dp-sharded under `train.dp_sharding=full|grad_op`), the optimizer and its state, the gradient
+reduction over dp, the global gradient norm and clipping, the full state dict gathered from the
+shards (pushes, checkpoints, exports) and loading one back. The `Trainer` keeps the RL step only.
+
+Data parallel, two ways (`dp_sharding`, resolved by `model.build_model`):
+
+    none           every dp rank holds the whole stage; after the last micro-batch the gradients
+                   are SUM-all-reduced over dp (`DataParallelReducer`). With a 16-bit compute dtype
+                   and an fp32 `train.master_dtype` the optimizer owns fp32 master copies, each
+                   backward's 16-bit gradient moved into the master's fp32 `.grad` at once (a
+                   post-accumulate-grad hook); `step` copies the masters back (Megatron's layout).
+    full | grad_op FSDP2 (`fully_shard`, parallelize.py step 4): parameters, gradients and AdamW
+                   state are dim-0 shards over dp (DTensors; 2-D with TP). The shards *are* the
+                   master — held in `train.master_dtype` — and FSDP's mixed-precision policy casts
+                   them to `model.dtype` at each all-gather and reduce-scatters gradients in the
+                   master dtype, SUM (divide factor 1: the loss is already divided by the global
+                   loss-token count). No separate master, no hook, no reducer.
+
+Learner state per parameter under bf16 compute and an fp32 master: 2 + 4 + 4 + 8 = 18 bytes with
+`none` (bf16 parameter, fp32 gradient, fp32 master, AdamW m and v), 16/dp with `full` (fp32 shard,
+its gradient, m and v) plus the all-gathered bf16 parameters of the layer running.
+
+Every method that moves tensors is collective over the pool: call it on every rank, in the same
+order. Full-model names, shapes and stages (`full_meta`, recorded before the pipeline split) keep
+push order (what `save_pretrained` writes), whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_like.learner.parallel.layout import ParallelLayout
+from areal_like.learner.parallel.parallelize import (
+    DataParallelReducer,
+    PipelineStageModule,
+    local_tensor,
+    stage_layer_ids,
+)
+
+DP_SHARDING = ("full", "grad_op", "none")
+
+FullMeta = list[tuple[str, tuple[int, ...], torch.dtype, int]]  # (HF name, shape, dtype, pipeline stage)
+
+
+def full_meta_of(hf_model: nn.Module, pp: int) -> FullMeta:
+    """Names, shapes, dtypes and pipeline stages of every parameter and persistent buffer of the
+    whole (unsplit) model, in `named_parameters` order then buffers — what the push sends."""
+    persistent = set(hf_model.state_dict().keys())
+    full = [(n, p) for n, p in hf_model.named_parameters()]
+    full += [(n, b) for n, b in hf_model.named_buffers() if n in persistent]
+    layers = hf_model.config.num_hidden_layers
+
+    def stage_of(name: str) -> int:
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return next(s for s in range(pp) if i in stage_layer_ids(layers, pp, s))
+        if name.startswith("model.embed_tokens."):
+            return 0
+        if name.startswith(("model.norm.", "lm_head.")):
+            return pp - 1
+        if pp == 1:
+            return 0
+        raise ValueError(f"cannot place parameter {name!r} on a pipeline stage: use p1 for this model")
+
+    return [(n, tuple(t.shape), t.dtype, stage_of(n)) for n, t in full]
+
+
+def _sharded_dims(t: torch.Tensor) -> str:
+    """Mesh dims a DTensor is split over ("dp", "tp", "dp+tp"), "" for a replicated/plain tensor."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor):
+        return ""
+    names = t.device_mesh.mesh_dim_names or ()
+    # FSDP's dp split of a TP shard is a _StridedShard, which is not `is_shard()`
+    return "+".join(sorted(n for n, pl in zip(names, t.placements) if pl.is_shard() or isinstance(pl, _StridedShard)))
+
+
+class ShardedModel:
+    """One model of the trainer on this rank: its pipeline stage (TP- and, with `dp_sharding`
+    full/grad_op, dp-sharded); optimizer if trainable. See the module docstring."""
+
+    def __init__(self, stage_module: PipelineStageModule, full_meta: FullMeta, param_names: set[str],
+                 layout: ParallelLayout, *, trainable: bool, out_dim: int | None, train_cfg, compute_dtype: torch.dtype,
+                 master_dtype: torch.dtype, dp_sharding: str, role: str, device: torch.device | None = None,
+                 optimizer_offload: bool = False) -> None:
+        self.layout = layout
+        self.device = device or torch.device("cpu")  # where compute and collectives run
+        self.optimizer_offload = optimizer_offload
+        self.param_offload = bool(getattr(stage_module, "offload", False))
+        self.role = role
+        self.stage_module = stage_module
+        self.config = stage_module.hf.config
+        self.out_dim = out_dim
+        self.dp_sharding = dp_sharding
+        self.fsdp = dp_sharding != "none"
+        self.compute_dtype = compute_dtype
+        self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        self.full_meta = full_meta
+        # A separate master copy exists only without FSDP (FSDP's shards are the master).
+        self.master_dtype = master_dtype if trainable and master_dtype != compute_dtype and not self.fsdp else None
+        # The dtypes as `state_tensors` holds them (the master's for parameters): what gathers carry.
+        # `param_names`: the whole model's parameters (other stages' too), buffers excluded.
+        self.state_meta = [(n, shape, self.master_dtype if self.master_dtype is not None and dt.is_floating_point
+                            and n in param_names else dt, st) for n, shape, dt, st in full_meta]
+        # A language model's last stage outputs hidden states; its head (`lm_head`) runs in the loss,
+        # in token chunks (train.logits_chunk_tokens). A critic's (hidden → 1) value head stays in the stage.
+        self.stage_module.return_hidden = out_dim is None
+        self.head = stage_module.hf.lm_head if layout.is_last_stage else None
+        persistent = {n for n, *_ in full_meta}
+        self.local = [(n.removeprefix("hf."), p) for n, p in stage_module.named_parameters()]
+        self.local += [(n.removeprefix("hf."), b) for n, b in stage_module.named_buffers()
+                       if n.removeprefix("hf.") in persistent]
+        self.optimizer = None
+        self.reducer: DataParallelReducer | None = None
+        self.params: list[nn.Parameter] = []
+        self.master: list[nn.Parameter] = []  # the optimizer's parameters when master_dtype is set
+        self.master_by_name: dict[str, nn.Parameter] = {}
+        self.opt_params: list[nn.Parameter] = []
+        if trainable:
+            named = [(n, p) for n, p in self.local if isinstance(p, nn.Parameter) and p.requires_grad]
+            self.params = [p for _, p in named]
+            if self.master_dtype is not None:
+                self.master = [nn.Parameter(p.detach().to(self.master_dtype).clone()) for p in self.params]
+                self.master_by_name = {n: m for (n, _), m in zip(named, self.master)}
+                for p, m in zip(self.params, self.master):
+                    p.register_post_accumulate_grad_hook(lambda p, m=m: self._grad_to_master(p, m))
+            self.opt_params = self.master or self.params
+            if not self.fsdp:
+                self.reducer = DataParallelReducer(self.opt_params, layout)
+            betas = tuple(float(b) for b in train_cfg.adam_betas)
+            if len(betas) != 2:
+                raise ValueError(f"train.adam_betas must have 2 entries, got {train_cfg.adam_betas}")
+            # foreach=False: DTensor and plain-tensor parameters share one param group.
+            self.optimizer = torch.optim.AdamW(self.opt_params, lr=train_cfg.lr, betas=betas,  # type: ignore[arg-type]
+                                               eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay,
+                                               foreach=False)
+        else:
+            for _, p in self.local:
+                p.requires_grad_(False)
+        self.optimizer_steps = 0
+
+    # ---- gradients and the optimizer step ----------------------------------------------------------
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in self.params if self.master else ():
+                p.grad = None
+
+    @staticmethod
+    def _grad_to_master(p: torch.Tensor, m: torch.Tensor) -> None:
+        """Move a 16-bit gradient into the master's `.grad`: accumulated over micro-batches in the
+        master dtype (as Megatron's main_grad), the 16-bit one freed as soon as backward made it."""
+        if p.grad is None:
+            return
+        if m.grad is None:
+            m.grad = p.grad.to(m.dtype)
+        else:
+            m.grad.add_(p.grad)
+        p.grad = None
+
+    def reduce_grads(self) -> None:
+        """Gradients onto the optimizer's parameters, reduced over dp, in the master dtype. FSDP
+        reduce-scattered them in backward already; without it: to the master (a gradient set some
+        other way than backward), then the dp SUM all-reduce."""
+        if self.fsdp:
+            return
+        for p, m in zip(self.params, self.master):
+            self._grad_to_master(p, m)
+        assert self.reducer is not None
+        self.reducer.all_reduce_grads()
+
+    def _optimizer_state_to(self, device: torch.device) -> None:
+        """Move the AdamW state (m, v; DTensor shards included) to `device` (optimizer offload)."""
+        assert self.optimizer is not None
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.device != device and k != "step":
+                    st[k] = v.to(device, non_blocking=device.type == "cpu")
+
+    def step(self) -> None:
+        """AdamW on the optimizer's parameters, then master → model (cast to the compute dtype).
+        With `optimizer_offload` the AdamW state comes from host memory for the step and goes back."""
+        assert self.optimizer is not None
+        if self.optimizer_offload:
+            self._optimizer_state_to(self.device)
+        self.optimizer.step()
+        if self.optimizer_offload:
+            self._optimizer_state_to(torch.device("cpu"))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the copies finished before reuse
+        self.optimizer_steps += 1
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                local_tensor(p).copy_(local_tensor(m))
+
+    def reshard(self) -> None:
+        """Free the all-gathered parameters FSDP kept after a forward without backward (the root's,
+        which FSDP never reshards after forward); no-op without FSDP."""
+        if self.fsdp:
+            self.stage_module.reshard()  # type: ignore[operator]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors by HF name, parameters as the optimizer holds them (the fp32 master
+        where there is one; FSDP's shards): what pushes, checkpoints and exports read."""
+        return {n: self.master_by_name.get(n, t) for n, t in self.local}
+
+    def grad_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients of the optimizer's parameters by HF name (after `reduce_grads`: reduced)."""
+        return {n: self.master_by_name.get(n, p).grad for n, p in self.local  # type: ignore[misc]
+                if isinstance(p, nn.Parameter) and self.master_by_name.get(n, p).grad is not None}
+
+    def grad_norm_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the full gradient (as `clip_grad_norm_` of one process), then clip.
+
+        Σ‖g‖² of each gradient's local part, summed over the mesh dims it is split over (dp for
+        FSDP shards, tp for TP shards, both for 2-D) and counted once where replicated — then Σ over
+        pp stages. Without FSDP dp ranks hold identical gradients after the all-reduce: no dp sum.
+        """
+        L = self.layout
+        dev = self.device  # the sums are reduced on the device groups (offloaded gradients are on the host)
+        sq = {k: torch.zeros((), device=dev) for k in ("", "dp", "tp", "dp+tp")}
+        for p in self.opt_params:
+            if p.grad is not None:
+                sq[_sharded_dims(p.grad)] += local_tensor(p.grad).float().pow(2).sum().to(dev)
+        if L.dp > 1 and self.fsdp:
+            both = torch.stack([sq["dp+tp"], sq["dp"]])
+            dist.all_reduce(both, group=L.dp_group)
+            sq["dp+tp"], sq["dp"] = both[0], both[1]
+        if L.tp > 1:
+            both = torch.stack([sq["dp+tp"], sq["tp"]])
+            dist.all_reduce(both, group=L.tp_group)
+            sq["dp+tp"], sq["tp"] = both[0], both[1]
+        total = sq[""] + sq["dp"] + sq["tp"] + sq["dp+tp"]
+        if L.pp > 1:
+            dist.all_reduce(total, group=L.pp_group)
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # the formula of clip_grad_norm_
+        coef_on = {dev: coef}
+        for p in self.opt_params:
+            if p.grad is not None:
+                g = local_tensor(p.grad)
+                g.mul_(coef_on.setdefault(g.device, coef.to(g.device)))
+        return norm
+
+    # ---- full tensors ------------------------------------------------------------------------------
+    def gather_full(self, local: dict[str, torch.Tensor] | None, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """Full unsharded tensors in `full_meta` order on rank 0 ([] elsewhere); `local` None = the
+        state (`state_tensors`: the master where there is one). Collective: every rank calls it.
+        DTensors are all-gathered over the dims they are split on (tp, dp with FSDP); stage s's
+        (dp 0, tp 0) rank sends its tensors to rank 0 flattened (one message per dtype) over the
+        pool's world group. Parameters (and gradients) travel in the state's dtype (`state_meta`),
+        buffers in their own."""
+        from torch.distributed.tensor import DTensor
+
+        L = self.layout
+        local = self.state_tensors() if local is None else local
+        full_local = {}
+        # Only rank 0 and each later stage's sending rank keep what they gathered; the others take
+        # part in the all-gathers and drop each full tensor at once.
+        keep = L.rank == 0 or L.rank == L.stage_rank(L.pp_rank)
+        for name, _, _, stage in self.full_meta:  # same order on every rank of the stage: the all-gathers pair up
+            if stage == L.pp_rank and name in local:
+                t = local[name].detach()
+                if isinstance(t, DTensor) and t.to_local().device != self.device:  # offloaded shard: gather on device
+                    t = DTensor.from_local(t.to_local().to(self.device), t.device_mesh, t.placements,
+                                           run_check=False, shape=t.shape, stride=t.stride())
+                full = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
+                if keep:
+                    full_local[name] = full
+                del full
+        if L.pp > 1:
+            for s in range(1, L.pp):
+                metas = [m for m in self.state_meta if m[3] == s]
+                for dt in sorted({m[2] for m in metas}, key=str):
+                    part = [m for m in metas if m[2] == dt]
+                    if L.rank == 0:
+                        flat = torch.empty(sum(math.prod(m[1]) for m in part), dtype=dt, device=device)
+                        dist.recv(flat, src=L.stage_rank(s), group=L.world_group)
+                        off = 0
+                        for name, shape, _, _ in part:
+                            k = math.prod(shape)
+                            full_local[name] = flat[off:off + k].view(shape)
+                            off += k
+                    elif L.rank == L.stage_rank(s):
+                        flat = torch.cat([full_local[m[0]].reshape(-1) for m in part])
+                        dist.send(flat, dst=0, group=L.world_group)
+        if L.rank != 0:
+            return []
+        return [(name, full_local[name]) for name, *_ in self.full_meta if name in full_local]
+
+    def load_full(self, full: dict[str, torch.Tensor], where: str) -> None:
+        """Copy full (unsharded) tensors into this rank's shard of every local tensor."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for name, t in self.local:
+                if name not in full:
+                    if self.tied and name == "lm_head.weight":
+                        continue  # tied to model.embed_tokens.weight, loaded through it
+                    raise KeyError(f"{where} lacks {name}")
+                for dst in (t, self.master_by_name.get(name)):  # the master from the file, not from t
+                    if dst is None:
+                        continue
+                    if isinstance(dst, DTensor):
+                        shard = distribute_tensor(full[name].to(dst.dtype), dst.device_mesh, dst.placements,
+                                                  src_data_rank=None)
+                        dst.to_local().copy_(shard.to_local())
+                    else:
+                        dst.copy_(full[name])
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """weights_only-loadable optimizer state: DTensor state → this rank's local shard."""
+        from torch.distributed.tensor import DTensor
+
+        assert self.optimizer is not None
+        osd = self.optimizer.state_dict()
+        osd["state"] = {k: {n: (v.to_local() if isinstance(v, DTensor) else v) for n, v in st.items()}
+                        for k, st in osd["state"].items()}
+        return osd
+
+    def load_optimizer_state(self, osd: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        assert self.optimizer is not None
+        self.optimizer.load_state_dict(osd)  # casts floating state to the parameters' (master) dtype and device
+        for p in self.opt_params:  # local shards back to DTensors like their parameter
+            if isinstance(p, DTensor):
+                st = self.optimizer.state.get(p, {})
+                for k, v in list(st.items()):
+                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                        # shape/stride given: FSDP's dim-0 shards may be uneven (the last rank's shorter)
+                        st[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+        if self.optimizer_offload:
+            self._optimizer_state_to(torch.device("cpu"))
