@@ -17,8 +17,15 @@ Parameters (Qwen2 / Qwen3 / Llama-style decoders; `count_params`)
 Split over the learner's layout (areal_like/learner/parallel/parallelize.py): pipeline stage s keeps
 the contiguous balanced layer range `stage_layer_ids`, the embeddings on stage 0, the final norm and
 lm_head on the last stage; tensor parallel shards q/k/v/o and gate/up/down (biases included) by t
-and keeps norms, embeddings and lm_head replicated; data parallel replicates everything (every dp
-rank holds full parameters, gradients and AdamW state of its stage/tp shard: no dp sharding).
+and keeps norms, embeddings and lm_head replicated. Data parallel (`train.dp_sharding`):
+    none           every dp rank holds full parameters, gradients and AdamW state of its stage/tp shard
+    full | grad_op (FSDP2, dp > 1) each rank stores 1/dp of them, in the master dtype m: params
+                   m·n/dp, grads m·n/dp, AdamW 2·m·n/dp — plus what is all-gathered at a time in the
+                   compute dtype b: the root unit (embedding, final norm, head: n_root) through
+                   forward and backward, and two decoder layers (the running one and the prefetched
+                   next) with `full`, every layer of the stage with `grad_op` (kept from forward to
+                   backward); one unit's unsharded gradient (b + m bytes) while it is reduce-scattered.
+                   The frozen reference: b·n/dp plus the same gathered units.
 
 Bytes per trainable parameter (`train.master_dtype`, areal_like/learner/trainer.py):
     model.dtype = master dtype (fp32, or a pure 16-bit optimizer): params p, grads p, AdamW 2·p
@@ -212,6 +219,7 @@ class TrainSettings:
 
     dtype: str = "float32"  # model.dtype (compute)
     master_dtype: str = "float32"  # train.master_dtype
+    dp_sharding: str = "full"  # train.dp_sharding (takes effect at dp > 1)
     checkpointing: bool = False  # model.enable_gradient_checkpointing
     micro_batch_tokens: int = 8192  # train.micro_batch_tokens
     seq_len: int = 0  # longest sequence (a micro-batch holds at least one)
@@ -229,7 +237,7 @@ class TrainSettings:
     def from_config(cls, cfg: Any, *, sglang: bool, seq_len: int | None = None,
                     micro_batch_tokens: int | None = None) -> "TrainSettings":
         alg = cfg.algorithm
-        return cls(dtype=cfg.model.dtype, master_dtype=cfg.train.master_dtype,
+        return cls(dtype=cfg.model.dtype, master_dtype=cfg.train.master_dtype, dp_sharding=cfg.train.dp_sharding,
                    checkpointing=cfg.model.enable_gradient_checkpointing,
                    micro_batch_tokens=micro_batch_tokens or cfg.train.micro_batch_tokens,
                    seq_len=seq_len if seq_len is not None else cfg.resolved_max_context_len(),
@@ -277,13 +285,20 @@ class DeviceMemory:
         return d
 
 
-def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stage: int) -> dict[str, int]:
-    """Bytes of one learner rank (pipeline stage `stage`, one tp shard) — module docstring."""
+def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stage: int, dp: int = 1) -> dict[str, int]:
+    """Bytes of one learner rank (pipeline stage `stage`, one tp shard, one of `dp`) — module docstring."""
     b = DTYPE_BYTES[s.dtype]
     m = DTYPE_BYTES[s.master_dtype]
     separate_master = s.master_dtype != s.dtype
+    fsdp = dp > 1 and s.dp_sharding != "none"
+    n_layers = len(stage_layer_ids(shape.layers, pp, stage))
+    n_layer = shape.layer_params(tp)
 
     def trainable(n: int) -> tuple[float, float, float]:  # params, grads, optimizer
+        if fsdp:  # the master-dtype dp shard, its gradient and AdamW m, v — plus what is gathered at a time
+            root = n - n_layers * n_layer  # embedding / final norm / head: gathered through forward and backward
+            gathered = root + (n_layers * n_layer if s.dp_sharding == "grad_op" else 2 * n_layer)
+            return n * m / dp + b * gathered, n * m / dp + (b + m) * max(n_layer, root), 2 * m * n / dp
         if separate_master:  # 16-bit model + fp32 master: the fp32 grads (the 16-bit ones freed as they move)
             return n * b, n * m, n * (m + 2 * m)
         return n * b, n * b, n * 2 * b
@@ -291,7 +306,6 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
     n_actor = shape.stage_params(pp, stage, tp)
     params, grads, opt = trainable(n_actor)
     first, last = stage == 0, stage == pp - 1
-    n_layers = len(stage_layer_ids(shape.layers, pp, stage))
     T = s.tokens_per_micro_batch
     a_layer = shape.layer_activation_bytes(b, tp)
     keep = (b * shape.hidden) if s.checkpointing else a_layer
@@ -310,8 +324,9 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
     parts = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
              "activations_bytes": activations, "logits_bytes": logits, "reference_bytes": 0.0,
              "critic_bytes": 0.0, "runtime_bytes": RUNTIME_BYTES}
-    if s.reference:
-        parts["reference_bytes"] = n_actor * b
+    if s.reference:  # frozen, model.dtype; sharded like the actor under FSDP
+        parts["reference_bytes"] = (n_actor * b / dp + b * (n_actor - n_layers * n_layer + 2 * n_layer)
+                                    if fsdp else n_actor * b)
     if s.critic:
         cp, cg, co = trainable(shape.stage_params(pp, stage, tp, head_dim_out=1))
         parts["critic_bytes"] = cp + cg + co  # its activations come at another time than the actor's
@@ -375,10 +390,11 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
         for r in comp.ranks:
             d = dev(r.node, r.device)
             d.roles.append(f"learner rank {r.rank} (dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank})")
-            for k, v in learner_parts(shape, settings, pp=t.pp, tp=t.tp, stage=r.pp_rank).items():
+            for k, v in learner_parts(shape, settings, pp=t.pp, tp=t.tp, stage=r.pp_rank, dp=t.dp).items():
                 d.add(k, v)
             for on in (False, True):
-                other = learner_parts(shape, replace(settings, checkpointing=on), pp=t.pp, tp=t.tp, stage=r.pp_rank)
+                other = learner_parts(shape, replace(settings, checkpointing=on), pp=t.pp, tp=t.tp, stage=r.pp_rank,
+                                      dp=t.dp)
                 key = f"activations_{'with' if on else 'without'}_checkpointing_bytes"
                 d.info[key] = d.info.get(key, 0) + other["activations_bytes"]
     plan = MemoryPlan(sorted(devs.values(), key=lambda d: (d.node, d.device)), shape, settings, capacity)
@@ -387,8 +403,8 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
     return plan
 
 
-def _learner_fits(shape: ModelShape, s: TrainSettings, capacity: int, *, pp: int, tp: int) -> bool:
-    return all(sum(learner_parts(shape, s, pp=pp, tp=tp, stage=st).values()) <= capacity for st in range(pp))
+def _learner_fits(shape: ModelShape, s: TrainSettings, capacity: int, *, pp: int, tp: int, dp: int = 1) -> bool:
+    return all(sum(learner_parts(shape, s, pp=pp, tp=tp, stage=st, dp=dp).values()) <= capacity for st in range(pp))
 
 
 def _valid_tp(shape: ModelShape, tp: int) -> bool:
@@ -398,26 +414,28 @@ def _valid_tp(shape: ModelShape, tp: int) -> bool:
 def suggest_fixes(placement: Any, shape: ModelShape, s: TrainSettings, capacity: int) -> list[str]:
     """Knobs that exist today and make the over-full devices fit, each as the user would type it.
 
-    Learner: checkpointing, a smaller micro-batch, bf16 compute with its fp32 master, logit chunks, then
-    more pipeline stages / tensor parallel in the allocation's training side (more devices per dp
-    replica; dp itself does not help: every dp rank holds a full replica). Servers: a larger t."""
+    Learner: dp sharding (FSDP) when replicated, checkpointing, a smaller micro-batch, bf16 compute with
+    its fp32 master, logit chunks, then more pipeline stages / tensor parallel in the allocation's
+    training side (more devices per dp group). Servers: a larger t."""
     fixes: list[str] = []
     alloc = placement.allocation
     tr = alloc.training
-    if tr is not None and not _learner_fits(shape, s, capacity, pp=tr.pp, tp=tr.tp):
-        pp, tp = tr.pp, tr.tp
+    if tr is not None and not _learner_fits(shape, s, capacity, pp=tr.pp, tp=tr.tp, dp=tr.dp):
+        pp, tp, dp = tr.pp, tr.tp, tr.dp
         knobs: list[tuple[str, TrainSettings]] = []
+        if s.dp_sharding == "none" and dp > 1:
+            knobs.append(("train.dp_sharding=full", replace(s, dp_sharding="full")))
         if not s.checkpointing:
             knobs.append(("model.enable_gradient_checkpointing=true", replace(s, checkpointing=True)))
         if s.logits_chunk_tokens == 0:
             knobs.append(("train.logits_chunk_tokens=1024", replace(s, logits_chunk_tokens=1024)))
         if s.dtype == "float32":
             knobs.append(("model.dtype=bfloat16", replace(s, dtype="bfloat16")))
-        found = [k for k, s2 in knobs if _learner_fits(shape, s2, capacity, pp=pp, tp=tp)]
+        found = [k for k, s2 in knobs if _learner_fits(shape, s2, capacity, pp=pp, tp=tp, dp=dp)]
         mb = s.micro_batch_tokens // 2
         while mb >= max(256, s.seq_len) and not found:
             s2 = replace(s, micro_batch_tokens=mb)
-            if _learner_fits(shape, s2, capacity, pp=pp, tp=tp):
+            if _learner_fits(shape, s2, capacity, pp=pp, tp=tp, dp=dp):
                 found.append(f"train.micro_batch_tokens={mb}")
             mb //= 2
         fixes += found
@@ -425,7 +443,8 @@ def suggest_fixes(placement: Any, shape: ModelShape, s: TrainSettings, capacity:
         # settings as given, and (when fewer) with every knob above on.
         best_all = s
         for _, s2 in knobs:
-            best_all = replace(best_all, **{f: getattr(s2, f) for f in ("checkpointing", "logits_chunk_tokens", "dtype")
+            best_all = replace(best_all, **{f: getattr(s2, f) for f in ("checkpointing", "logits_chunk_tokens", "dtype",
+                                                                        "dp_sharding")
                                             if getattr(s2, f) != getattr(s, f)})
         prev = None
         for settings, extra in ((s, ""), (best_all, " with " + " ".join(k for k, _ in knobs))):
@@ -438,15 +457,16 @@ def suggest_fixes(placement: Any, shape: ModelShape, s: TrainSettings, capacity:
                         continue
                     if p2 > 1 and shape.tied:
                         continue  # the learner refuses pp with tied embeddings
-                    if _learner_fits(shape, settings, capacity, pp=p2, tp=t2):
+                    if _learner_fits(shape, settings, capacity, pp=p2, tp=t2, dp=dp):
                         cand.append((p2 * t2, t2, p2))
             if cand and (prev is None or min(cand)[0] < prev):
                 size, t2, p2 = min(cand)
                 prev = size
                 fixes.append(f"--allocation {_with_training(alloc, tr, p2, t2)} ({tr.dp} × {size} learner devices){extra}")
         if not fixes:
-            fixes.append("none of the knobs available today fits this model's learner state on these devices "
-                         "(dp ranks hold full replicas)")
+            fixes.append("none of the knobs available today fits this model's learner state on these devices"
+                         + (" (dp ranks hold full replicas: train.dp_sharding=none)" if s.dp_sharding == "none"
+                            else f" (its state is already sharded over d{dp}: more learner devices)"))
     gen = alloc.generation
     if gen is not None and gen.backend == "sglang":
         parts, _ = server_parts(shape, s, tp=gen.tp, pp=gen.pp, backend=gen.backend, capacity=capacity)
@@ -494,7 +514,7 @@ def format_memory(plan: MemoryPlan) -> str:
         f"memory: {sh.model_type or 'decoder'} {sh.count_params() / 1e9:.2f}B params (h {sh.hidden}, L {sh.layers}, "
         f"heads {sh.heads}/{sh.kv_heads}, vocab {sh.vocab}); device {fmt_bytes(plan.capacity)}",
         f"        learner: model.dtype={s.dtype} train.master_dtype={s.master_dtype} "
-        f"checkpointing={'on' if s.checkpointing else 'off'} micro-batch {s.tokens_per_micro_batch} tokens, "
+        f"train.dp_sharding={s.dp_sharding} checkpointing={'on' if s.checkpointing else 'off'} micro-batch {s.tokens_per_micro_batch} tokens, "
         f"logits chunk {s.logits_chunk_tokens or 'off'}; servers: {s.server_dtype}",
     ]
     cols = [("params", "params_bytes"), ("grads", "grads_bytes"), ("optim", "optimizer_bytes"),

@@ -181,14 +181,16 @@ def test_every_named_fix_exists_and_makes_the_plan_fit(tmp_path: Path, cfg, allo
 
 @pytest.mark.parametrize("cfg", [QWEN25_7B, QWEN3_8B], ids=["qwen2.5-7b", "qwen3-8b"])
 def test_done_when_allocations(tmp_path: Path, cfg: dict[str, Any]) -> None:
-    """7B/8B in bf16 with the fp32 master on 80 GB devices, as the learner is today (every dp rank a full
-    replica of its stage: no dp sharding): the servers fit with KV room; the learner ranks do not —
+    """7B/8B in bf16 with the fp32 master on 80 GB devices. Replicated (`train.dp_sharding=none`: every
+    dp rank a full replica of its stage): the servers fit with KV room; the learner ranks do not —
     d4p1t1 holds the whole model's 18 bytes/param (~128-137 GiB), d8p2 half of it plus two 1F1B
-    micro-batches in flight on stage 0 — and the plan names allocations that would."""
+    micro-batches in flight on stage 0 — and the plan names the knobs that would (dp sharding first).
+    Sharded (the default, FSDP2 over d) with activation checkpointing (verl's recipe): every device fits."""
     model = _model(tmp_path, cfg)
     for alloc, nodes, n_dev in (("sglang.d16p1m1+d8p2m1", "4", 32), ("sglang.d4p1t1+d4p1t1", "1", 8)):
-        mem = _memory(tmp_path, "--allocation", alloc, "--nodes", nodes, "--devices-per-node", "8",
-                      "--model", model, "model.dtype=bfloat16")
+        base = ["--allocation", alloc, "--nodes", nodes, "--devices-per-node", "8", "--model", model,
+                "model.dtype=bfloat16"]
+        mem = _memory(tmp_path, *base, "train.dp_sharding=none")
         devs = mem["devices"]
         assert len(devs) == n_dev
         servers = [d for d in devs if "weights_bytes" in d]
@@ -197,6 +199,15 @@ def test_done_when_allocations(tmp_path: Path, cfg: dict[str, Any]) -> None:
         assert learners and not any(d["fits"] for d in learners)
         assert mem["fits"] is False
         assert any(f.startswith("--allocation ") for f in mem["fixes"])
+        assert any("train.dp_sharding=full" in f for f in mem["fixes"]), mem["fixes"]
+        sharded = _memory(tmp_path, *base, "model.enable_gradient_checkpointing=true")
+        replicated = {d["device"] + 8 * d["node"]: d for d in devs}
+        for d in sharded["devices"]:
+            assert d["fits"], d
+            if "params_bytes" in d:  # the fixed state shrinks by about d (plus the gathered units)
+                r = replicated[d["device"] + 8 * d["node"]]
+                assert d["optimizer_bytes"] * 3 < r["optimizer_bytes"], (d, r)
+        assert sharded["fits"] is True
 
 
 # ---- launcher run refuses a plan that does not fit --------------------------------------------
