@@ -5,8 +5,13 @@
                                           as the optimizer holds them: the fp32 master with a 16-bit
                                           model.dtype (train.master_dtype), so a resume loses nothing
         critic.safetensors                the critic (adv_estimator=gae), full, HF names + value head
-        rank00000.pt …                    per rank: optimizer state of its shards (actor, critic),
-                                          RNG, counters (tensors and plain values: weights_only-loadable)
+        .metadata, __<r>_0.distcp         the AdamW state of actor and critic, sharded: one
+                                          torch.distributed.checkpoint (DCP) file per rank holding its
+                                          shards, keyed by HF name (`ShardedModel.optimizer_tensors`);
+                                          DCP reshards on load, so a checkpoint resumes on another
+                                          layout (another d, t, p, or train.dp_sharding)
+        rank00000.pt …                    per rank: RNG and counters (weights_only-loadable); a rank
+                                          the writing pool did not have reads rank 0's
         meta.json                         format, layout, counters, policy version, `extra`, and `files`:
                                           size and sha256 of every file above (the manifest) — written
                                           last: a directory without it is never a checkpoint
@@ -34,11 +39,13 @@ saved: it is reloaded from `ref.path`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import shutil
+import warnings
 from typing import Any
 
 import msgspec
@@ -49,8 +56,8 @@ from areal_like.api.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-CKPT_FORMAT = 3
-READABLE_FORMATS = (2, 3)  # 2: the actor-only format of earlier builds (no critic)
+CKPT_FORMAT = 4
+READABLE_FORMATS = (2, 3, 4)  # 2: actor only (no critic); 2-3: optimizer state per rank in rank*.pt (same layout only)
 MODEL_FILE = "model.safetensors"
 CRITIC_FILE = "critic.safetensors"
 META_FILE = "meta.json"
@@ -71,7 +78,8 @@ def _sha256(path: str) -> str:
 
 
 _DIGEST_SUFFIX = ".sha256"
-_RANK_FILE = re.compile(r"^rank\d{5}\.pt$")
+_RANK_FILE = re.compile(r"^rank(\d{5})\.pt$")
+_DCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # torch.distributed.checkpoint's file per writing rank
 
 
 def _write_digest(path: str) -> None:
@@ -99,12 +107,13 @@ def _manifest(tmp: str) -> dict[str, list]:
     return out
 
 
-def verify_checkpoint(path: str, rank: int = 0) -> str | None:
+def verify_checkpoint(path: str, rank: int = 0, world: int = 1) -> str | None:
     """What is wrong with the checkpoint directory `path` (None: usable): meta.json readable and of a
-    readable format, every file of its manifest present with its size, and the sha256 of every file
-    rank `rank` loads (the shared model files and its own optimizer file; each rank checks its own, so
-    a pool reads each file once per reader, in parallel — `_verified` makes the ranks agree). A
-    checkpoint of an earlier build (no manifest) is checked for its files' presence only."""
+    readable format, every file of its manifest present with its size, and the sha256 of the shared
+    model files and of this rank's part of the per-rank files (rank `rank` of a pool of `world`
+    checks every per-rank file whose index ≡ rank mod world — the writing pool may have been larger —
+    so the pool reads each file once, in parallel; `_verified` makes the ranks agree). A checkpoint of
+    an earlier build (no manifest) is checked for its files' presence only."""
     meta_path = os.path.join(path, META_FILE)
     try:
         with open(meta_path, "rb") as f:
@@ -130,10 +139,10 @@ def verify_checkpoint(path: str, rank: int = 0) -> str | None:
             return f"{name} is missing"
         if actual != size:
             return f"{name} is {actual} bytes, the manifest in {META_FILE} says {size}"
-    mine = f"rank{rank:05d}.pt"
     for name, (size, digest) in sorted(files.items()):
-        if _RANK_FILE.match(name) and name != mine:
-            continue  # another rank's optimizer state: that rank checks it
+        per_rank = _RANK_FILE.match(name) or _DCP_FILE.match(name)
+        if per_rank and int(per_rank.group(1)) % max(world, 1) != rank:
+            continue  # another rank checks it
         full = os.path.join(path, name)
         if _sha256(full) != digest:
             return f"{name} does not match its sha256 in {META_FILE} (corrupted)"
@@ -167,6 +176,64 @@ def _rank_file(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank:05d}.pt")
 
 
+def _with_optimizer_state(trainer) -> list[str]:
+    """The models whose AdamW state exists (an optimizer that never stepped has none)."""
+    models = [("actor", trainer.actor)] + ([("critic", trainer.critic)] if trainer.critic is not None else [])
+    return [prefix for prefix, m in models if m.optimizer is not None and m.optimizer.state]
+
+
+def _optimizer_tensors(trainer, prefixes: list[str], empty: bool) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for prefix in prefixes:
+        m = getattr(trainer, prefix)
+        out.update(m.empty_optimizer_tensors(prefix) if empty else m.optimizer_tensors(prefix))
+    return out
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns on every save/load without torch.distributed even when told (no_dist=True): a
+    one-process learner is the intent, so that one warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _save_optimizer(trainer, tmp: str) -> None:
+    """The AdamW state of actor and critic as one DCP checkpoint in `tmp` (collective): each rank
+    writes its own shards (`__<rank>_0.distcp`, hashed into its digest sidecar), rank 0 `.metadata`.
+    Replicated tensors (dp under train.dp_sharding=none) are written once."""
+    import torch.distributed.checkpoint as dcp
+
+    tensors = _optimizer_tensors(trainer, _with_optimizer_state(trainer), empty=False)
+    if not tensors:
+        return  # before the first optimizer step: nothing to save
+    L = trainer.layout
+    with _single_process_is_meant():
+        dcp.save(tensors, checkpoint_id=tmp, process_group=L.host_world_group if L.distributed else None,
+                 no_dist=not L.distributed)
+    for name in os.listdir(tmp):
+        m = _DCP_FILE.match(name)
+        if m and int(m.group(1)) == L.rank:
+            _write_digest(os.path.join(tmp, name))
+
+
+def _load_optimizer(trainer, path: str, prefixes: list[str]) -> None:
+    """Fill this pool's AdamW state of `prefixes` (the models that had one) from `path`'s DCP files,
+    resharded to this layout (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not prefixes:
+        return
+    tensors = _optimizer_tensors(trainer, prefixes, empty=True)
+    L = trainer.layout
+    with _single_process_is_meant():
+        dcp.load(tensors, checkpoint_id=path, process_group=L.host_world_group if L.distributed else None,
+                 no_dist=not L.distributed)
+    for prefix in prefixes:
+        getattr(trainer, prefix).set_optimizer_tensors(tensors, prefix)
+
+
 def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> str:
     """Write `trainer`'s state to the directory `path` atomically (`<path>.tmp`, renamed by rank 0
     once every rank has written). `extra` must be JSON-encodable."""
@@ -178,7 +245,7 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
             "optimizer_steps": trainer.actor.optimizer_steps, "version": trainer.version,
             "model_path": trainer.model_path, "critic": trainer.critic is not None, "extra": extra or {},
             "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype,
-            "dp_sharding": trainer.dp_sharding}
+            "dp_sharding": trainer.dp_sharding, "optimizer_state": _with_optimizer_state(trainer)}
     meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
     actor = trainer.named_tensors_for_push()
     critic = trainer.critic.gather_full(None, trainer.device) if trainer.critic else []  # its master too
@@ -189,12 +256,11 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
         if trainer.critic is not None:
             save_file({n: t.contiguous() for n, t in critic}, os.path.join(tmp, CRITIC_FILE), metadata={"format": "pt"})
     trainer.barrier()  # the tmp dir exists
+    _save_optimizer(trainer, tmp)
     rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if trainer.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
-    state = {"format": CKPT_FORMAT, "optimizer": trainer.actor.optimizer_state(),
-             "critic_optimizer": trainer.critic.optimizer_state() if trainer.critic else None,
-             "critic_optimizer_steps": trainer.critic.optimizer_steps if trainer.critic else 0,
+    state = {"format": CKPT_FORMAT, "critic_optimizer_steps": trainer.critic.optimizer_steps if trainer.critic else 0,
              "rng": rng, "step": trainer.step, "optimizer_steps": trainer.actor.optimizer_steps,
              "skipped_steps": trainer.skipped_steps, "version": trainer.version}
     torch.save(state, _rank_file(tmp, trainer.layout.rank))
@@ -207,24 +273,31 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
 
 
 def load_checkpoint(trainer, path: str) -> dict[str, Any]:
-    """Restore weights, optimizer state, RNG and counters from `save_checkpoint`'s directory (same
-    layout); returns `extra`. Every rank reads the full model files and keeps its own shard."""
+    """Restore weights, optimizer state, RNG and counters from `save_checkpoint`'s directory; returns
+    `extra`. Every rank reads the full model files and keeps its own shard; the optimizer state
+    (format 4) is resharded by DCP to this layout, whatever layout wrote it. Formats 2-3 (optimizer
+    state per rank) resume under the layout and sharding that wrote them only."""
     from safetensors.torch import load_file
 
     with open(os.path.join(path, META_FILE), "rb") as f:
         meta = msgspec.json.decode(f.read())
     if meta.get("format") not in READABLE_FORMATS:
         raise ValueError(f"checkpoint {path}: format {meta.get('format')}, this build reads {READABLE_FORMATS}")
-    if meta["layout"] != str(trainer.layout.spec):
-        raise ValueError(f"checkpoint {path} was written by layout {meta['layout']}, this pool is "
-                         f"{trainer.layout.spec}: resume with the same allocation training side "
-                         f"(its model.safetensors is a full HF state dict usable with any layout)")
+    sharded = meta["format"] >= 4  # optimizer state in DCP files: loads into any layout
     saved_sharding = meta.get("dp_sharding", "none")  # absent: written before train.dp_sharding (replicated)
-    if (saved_sharding == "none") != (trainer.dp_sharding == "none"):  # full and grad_op shard alike
+    if not sharded and meta["layout"] != str(trainer.layout.spec):
+        raise ValueError(f"checkpoint {path} was written by layout {meta['layout']} (format {meta['format']}: "
+                         f"optimizer state per rank), this pool is {trainer.layout.spec}: resume with the same "
+                         f"allocation training side (its model.safetensors is a full HF state dict usable with any layout)")
+    if not sharded and (saved_sharding == "none") != (trainer.dp_sharding == "none"):
         raise ValueError(f"checkpoint {path} holds optimizer state of train.dp_sharding={saved_sharding} "
                          f"(layout {meta['layout']}), this pool shards as {trainer.dp_sharding}: resume with "
                          f"train.dp_sharding={saved_sharding}, or start a new run from its model.safetensors "
                          f"(model.path)")
+    if trainer.is_rank0 and (meta["layout"], saved_sharding) != (str(trainer.layout.spec), trainer.dp_sharding):
+        log.warning("checkpoint %s was written by layout %s (train.dp_sharding=%s); this pool is %s (%s): "
+                    "its optimizer state is resharded on load", path, meta["layout"], saved_sharding,
+                    trainer.layout.spec, trainer.dp_sharding)
     has_critic = bool(meta.get("critic", False))
     if has_critic != (trainer.critic is not None):
         raise ValueError(f"checkpoint {path} {'has' if has_critic else 'has no'} critic but this run "
@@ -239,11 +312,18 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
     trainer.actor.load_full(load_file(os.path.join(path, MODEL_FILE), device=str(trainer.device)), path)
     if trainer.critic is not None:
         trainer.critic.load_full(load_file(os.path.join(path, CRITIC_FILE), device=str(trainer.device)), path)
-    state = torch.load(_rank_file(path, trainer.layout.rank), map_location=trainer.device, weights_only=True)
-    trainer.actor.load_optimizer_state(state["optimizer"])
+    own = _rank_file(path, trainer.layout.rank)
+    # a rank the writing pool did not have: rank 0's counters and RNG (the same on every rank)
+    state = torch.load(own if os.path.isfile(own) else _rank_file(path, 0), map_location=trainer.device,
+                       weights_only=True)
+    if sharded:
+        _load_optimizer(trainer, path, [p for p in meta.get("optimizer_state", []) if getattr(trainer, p, None)])
+    else:
+        trainer.actor.load_optimizer_state(state["optimizer"])
+        if trainer.critic is not None:
+            trainer.critic.load_optimizer_state(state["critic_optimizer"])
     trainer.actor.optimizer_steps = int(state["optimizer_steps"])
     if trainer.critic is not None:
-        trainer.critic.load_optimizer_state(state["critic_optimizer"])
         trainer.critic.optimizer_steps = int(state["critic_optimizer_steps"])
     torch.set_rng_state(state["rng"]["cpu"].cpu())
     if trainer.device.type == "cuda" and "cuda" in state["rng"]:
@@ -277,7 +357,7 @@ def export_hf(trainer, out_dir: str) -> str:
 def _verified(trainer, path: str) -> str | None:
     """`verify_checkpoint` on every rank, agreed: None only when every rank found its part usable (a
     MIN all-reduce on the host group), so every rank takes the same checkpoint."""
-    err = verify_checkpoint(path, trainer.layout.rank)
+    err = verify_checkpoint(path, trainer.layout.rank, trainer.layout.world_size)
     layout = trainer.layout
     if getattr(layout, "distributed", False) and layout.world_size > 1:
         if err and not trainer.is_rank0:

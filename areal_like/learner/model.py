@@ -2,7 +2,9 @@
 
     load         the HF checkpoint (`model.path`, `critic.path`, `ref.path`), in the dtype the
                  parameters are *stored* in: the master dtype when FSDP shards a trainable model
-                 (its shards are the master), the compute dtype otherwise
+                 (its shards are the master), the compute dtype otherwise. Under FSDP into host
+                 memory (each rank: the whole model once), moved to the device unit by unit as it
+                 is sharded; otherwise straight onto the device
     convert      model-to-model rewrites before any parallelism: the critic's value head
                  (`value_head`); the seam where adapters (LoRA) go
     parallelize  pipeline split → tensor parallel → activation checkpointing → data parallel
@@ -79,7 +81,9 @@ def build_model(path: str, role: str, layout: ParallelLayout, *, train_cfg, comp
     trainable = role != "reference"
     fsdp = dp_sharding != "none"
     stored = master_dtype if fsdp and trainable else compute_dtype
-    hf = load_hf(path, dtype=stored, device=torch.device("cpu") if param_offload else device)  # 1. load
+    # FSDP: into host memory; each unit's parameters move to the device as `fully_shard` shards them
+    # (one layer at a time), so the device never holds the whole unsharded model.
+    hf = load_hf(path, dtype=stored, device=torch.device("cpu") if fsdp or param_offload else device)  # 1. load
     for convert in converters:  # 2. convert
         hf = convert(hf)
     meta = full_meta_of(hf, layout.pp)

@@ -31,13 +31,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_pool(model: str, layout: str, world: int, out: str, steps: int, die_after: int = 0) -> list[int]:
+def _run_pool(model: str, layout: str, world: int, out: str, steps: int, die_after: int = 0, **train_over) -> list[int]:
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        train = dict(TRAIN, checkpoint_dir=os.path.join(os.path.dirname(out), "ckpt"))
+        train = dict(TRAIN, checkpoint_dir=os.path.join(os.path.dirname(out), "ckpt"), **train_over)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "areal_like.learner.parallel.spawn", "--model", model, "--layout", layout,
              "--steps", str(steps), "--out", out, "--train-cfg", json.dumps(train), "--die-after", str(die_after)],
@@ -89,3 +89,24 @@ def test_kill_after_step_k_and_resume(model_dir, tmp_path, layout, world):
     assert meta["dp_sharding"] == ("full" if layout == "d2" else "none")
     assert meta["step"] == K + 1 and meta["extra"]["resumed_from"] == K and meta["layout"] == str(layout).replace(
         "d1", "d1p1t1").replace("t2", "d1p1t2").replace("p2", "d1p2t1").replace("d2", "d2p1t1")
+
+
+def test_sharded_checkpoint_resumes_at_another_dp(model_dir, tmp_path):
+    """Step K's checkpoint of a d2 FSDP pool (each rank wrote its own AdamW shards, DCP) resumes on one
+    process (d1, replicated): the optimizer state is resharded, and step K+1's loss equals the
+    uninterrupted d2 run's (fp32; 1e-6 — one process sums the same numbers in another order)."""
+    full = tmp_path / "full" / "losses.jsonl"
+    full.parent.mkdir()
+    _run_pool(model_dir, "d2", 2, str(full), steps=K + 1)
+    run = tmp_path / "run"
+    run.mkdir()
+    _run_pool(model_dir, "d2", 2, str(run / "losses.jsonl"), steps=K)
+    files = sorted(os.listdir(run / "ckpt" / f"step_{K:08d}"))
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files), files  # one shard file per rank
+    _run_pool(model_dir, "d1", 1, str(run / "losses_d1.jsonl"), steps=K + 1)  # resume_mode=auto
+    a, b = _losses(str(full)), _losses(str(run / "losses_d1.jsonl"))
+    assert sorted(b) == [K + 1]  # resumed: only step K+1 ran
+    assert b[K + 1] == pytest.approx(a[K + 1], abs=1e-6, rel=1e-6), (a, b)
+    with open(run / "ckpt" / f"step_{K + 1:08d}" / "meta.json") as f:
+        meta = json.load(f)
+    assert meta["layout"] == "d1p1t1" and meta["extra"]["resumed_from"] == K

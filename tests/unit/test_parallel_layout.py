@@ -75,7 +75,7 @@ def test_checkpoint_manager_resume_modes(tmp_path, monkeypatch):
     class Fake:
         is_rank0 = True
         saved: list[str] = []
-        layout = type("L", (), {"rank": 0})()
+        layout = type("L", (), {"rank": 0, "world_size": 1})()
 
         def barrier(self):
             pass

@@ -126,9 +126,11 @@ class ShardedModel:
         self.master: list[nn.Parameter] = []  # the optimizer's parameters when master_dtype is set
         self.master_by_name: dict[str, nn.Parameter] = {}
         self.opt_params: list[nn.Parameter] = []
+        self.opt_names: list[str] = []  # HF names of `opt_params`, in order
         if trainable:
             named = [(n, p) for n, p in self.local if isinstance(p, nn.Parameter) and p.requires_grad]
             self.params = [p for _, p in named]
+            self.opt_names = [n for n, _ in named]
             if self.master_dtype is not None:
                 self.master = [nn.Parameter(p.detach().to(self.master_dtype).clone()) for p in self.params]
                 self.master_by_name = {n: m for (n, _), m in zip(named, self.master)}
@@ -317,6 +319,39 @@ class ShardedModel:
                         dst.to_local().copy_(shard.to_local())
                     else:
                         dst.copy_(full[name])
+
+    # ---- optimizer state by name (sharded checkpoints: torch.distributed.checkpoint) ------------------
+    _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+    def optimizer_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """This rank's AdamW state keyed `<prefix>.<HF name>.<exp_avg|exp_avg_sq|step>`: DTensor shards
+        (FSDP over dp, TP) or plain tensors (replicated). The keys and the global shapes do not depend
+        on the layout, so a DCP checkpoint of them loads into any other layout. {} before the first step."""
+        assert self.optimizer is not None
+        out: dict[str, torch.Tensor] = {}
+        for n, p in zip(self.opt_names, self.opt_params):
+            st = self.optimizer.state.get(p)
+            if st:
+                out.update({f"{prefix}.{n}.{k}": st[k] for k in self._ADAM_KEYS})
+        return out
+
+    def empty_optimizer_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """What `optimizer_tensors` would hold here, zeroed, to load a checkpoint into (each moment
+        with its parameter's dtype, device and placements; the step a 0-d float32 on the host)."""
+        out: dict[str, torch.Tensor] = {}
+        for n, p in zip(self.opt_names, self.opt_params):
+            out[f"{prefix}.{n}.exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
+            out[f"{prefix}.{n}.exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
+            out[f"{prefix}.{n}.step"] = torch.zeros((), dtype=torch.float32)
+        return out
+
+    def set_optimizer_tensors(self, loaded: dict[str, torch.Tensor], prefix: str) -> None:
+        """Install `empty_optimizer_tensors` after a checkpoint filled them."""
+        assert self.optimizer is not None
+        for n, p in zip(self.opt_names, self.opt_params):
+            self.optimizer.state[p] = {k: loaded[f"{prefix}.{n}.{k}"] for k in self._ADAM_KEYS}
+        if self.optimizer_offload:
+            self._optimizer_state_to(torch.device("cpu"))
 
     def optimizer_state(self) -> dict[str, Any]:
         """weights_only-loadable optimizer state: DTensor state → this rank's local shard."""
