@@ -729,52 +729,42 @@ class ExperimentConfig(_Section):
                        + (mt.max_assistant_turns - 1) * mt.max_tool_response_tokens)
         return need
 
-    def learner_on_cuda(self) -> bool:
-        """Whether the learner pool trains on CUDA devices: with SGLang servers, or embedded ones on
-        `server.device=cuda…` (the launcher gives the learner its own plan devices then)."""
+    def _check_learner_side(self) -> None:
+        """The allocation's learner against the learner keys (a malformed allocation is reported by the
+        launcher): `fsdp:` means sharded data parallel (as in AReaL), refused with
+        `train.dp_sharding=none`; offload keys need a CUDA learner — SGLang servers, or embedded ones on
+        `server.device=cuda…` (the launcher gives the learner its own plan devices then) — and
+        parameter offload needs FSDP to offload through."""
         from allocation import AllocationError, parse_allocation
 
         try:
-            gen = parse_allocation(self.allocation).generation
+            alloc = parse_allocation(self.allocation)
         except AllocationError:
-            gen = None
-        return (gen is not None and gen.backend == "sglang") or self.server.device.startswith("cuda")
-
-    def _check_offload(self, training) -> None:
-        """Offload keys: refused where there is no GPU to offload from, or no FSDP to offload through."""
-        keys = [k for k, on in (("train.param_offload", self.train.param_offload),
-                                ("train.optimizer_offload", self.train.optimizer_offload),
-                                ("critic.param_offload", self.critic.param_offload),
-                                ("critic.optimizer_offload", self.critic.optimizer_offload),
-                                ("ref.param_offload", self.ref.param_offload)) if on]
-        if keys and not self.learner_on_cuda():
-            raise ConfigError(f"{', '.join(k + '=true' for k in keys)}: offload moves learner state from GPU to host "
-                              f"memory, but this run's learner is on CPU (no sglang generation, server.device="
-                              f"{self.server.device}) — there is nothing to offload to: remove "
-                              f"{' and '.join(keys)}")
-        params = [k for k in keys if k.endswith("param_offload")]
-        dp = training.dp if training is not None else 1
-        if params and (self.train.dp_sharding == "none" or dp < 2):
-            raise ConfigError(f"{', '.join(params)}: parameter offload goes through FSDP (its CPU offload policy), "
-                              f"but the learner does not shard (train.dp_sharding={self.train.dp_sharding}, d{dp}): "
-                              f"use a training side with d ≥ 2 and train.dp_sharding=full, or "
-                              f"train.optimizer_offload=true alone")
-
-    def _check_training_backend(self) -> None:
-        """`fsdp:` in the allocation's training side means sharded data parallel (as in AReaL):
-        refused with `train.dp_sharding=none`. A malformed allocation is reported by the launcher."""
-        from allocation import AllocationError, parse_allocation
-
-        try:
-            tr = parse_allocation(self.allocation).training
-        except AllocationError:
-            tr = None
-        self._check_offload(tr)
+            return
+        tr, gen = alloc.training, alloc.generation
         if tr is not None and tr.backend == "fsdp" and self.train.dp_sharding == "none":
             raise ConfigError(f"allocation {self.allocation!r} asks for the fsdp training backend but "
                               f"train.dp_sharding=none replicates the model: set train.dp_sharding=full (or "
                               f"grad_op), or write the training side without 'fsdp:' (e.g. "
                               f"'+d{tr.dp}p1t{tr.tp}')")
+        keys = [k for k, on in (("train.param_offload", self.train.param_offload),
+                                ("train.optimizer_offload", self.train.optimizer_offload),
+                                ("critic.param_offload", self.critic.param_offload),
+                                ("critic.optimizer_offload", self.critic.optimizer_offload),
+                                ("ref.param_offload", self.ref.param_offload)) if on]
+        on_cuda = (gen is not None and gen.backend == "sglang") or self.server.device.startswith("cuda")
+        if keys and not on_cuda:
+            raise ConfigError(f"{', '.join(k + '=true' for k in keys)}: offload moves learner state from GPU to host "
+                              f"memory, but this run's learner is on CPU (no sglang generation, server.device="
+                              f"{self.server.device}) — there is nothing to offload to: remove "
+                              f"{' and '.join(keys)}")
+        params = [k for k in keys if k.endswith("param_offload")]
+        dp = tr.dp if tr is not None else 1
+        if params and (self.train.dp_sharding == "none" or dp < 2):
+            raise ConfigError(f"{', '.join(params)}: parameter offload goes through FSDP (its CPU offload policy), "
+                              f"but the learner does not shard (train.dp_sharding={self.train.dp_sharding}, d{dp}): "
+                              f"use a training side with d ≥ 2 and train.dp_sharding=full, or "
+                              f"train.optimizer_offload=true alone")
 
     def validate(self) -> None:
         """Cross-field checks; each error says which setting to change."""
@@ -840,7 +830,7 @@ class ExperimentConfig(_Section):
         if md != "float32" and md != cd:
             raise ConfigError(f"train.master_dtype={md} with model.dtype={cd}: the master weights are float32 "
                               f"(set train.master_dtype=float32) or the compute dtype itself (train.master_dtype={cd})")
-        self._check_training_backend()
+        self._check_learner_side()
         mf = self.server.mem_fraction_static
         if mf is not None and not 0.0 < mf < 1.0:
             raise ConfigError(f"server.mem_fraction_static={mf}: use a fraction in (0, 1), e.g. 0.8, or null for SGLang's default")

@@ -94,4 +94,4 @@ def build_model(path: str, role: str, layout: ParallelLayout, *, train_cfg, comp
     return ShardedModel(stage, meta, param_names, layout, trainable=trainable,  # 4. wrap
                         out_dim=1 if role == "critic" else None, train_cfg=train_cfg, compute_dtype=compute_dtype,
                         master_dtype=master_dtype, dp_sharding=dp_sharding, role=role, device=device,
-                        optimizer_offload=optimizer_offload and trainable)
+                        param_offload=param_offload, optimizer_offload=optimizer_offload and trainable)

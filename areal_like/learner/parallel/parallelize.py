@@ -65,7 +65,6 @@ class PipelineStageModule(nn.Module):
         # The dtype activations flow in (model.dtype); under FSDP's mixed precision the stored
         # parameters may be wider (the fp32 master shards). Set by the model builder.
         self.compute_dtype = next(hf_model.parameters()).dtype
-        self.offload = False  # FSDP keeps the shards in host memory (step 4, `apply_fsdp`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -273,7 +272,6 @@ def apply_fsdp(stage: PipelineStageModule, layout: ParallelLayout, *, mode: str,
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     stage.set_reduce_scatter_unused_params(True)  # type: ignore[attr-defined]
     stage.compute_dtype = param_dtype
-    stage.offload = offload
 
 
 def parallelize_model(hf_model: nn.Module, layout: ParallelLayout, *, checkpoint_layers: bool = False,

@@ -92,11 +92,11 @@ class ShardedModel:
     def __init__(self, stage_module: PipelineStageModule, full_meta: FullMeta, param_names: set[str],
                  layout: ParallelLayout, *, trainable: bool, out_dim: int | None, train_cfg, compute_dtype: torch.dtype,
                  master_dtype: torch.dtype, dp_sharding: str, role: str, device: torch.device | None = None,
-                 optimizer_offload: bool = False) -> None:
+                 param_offload: bool = False, optimizer_offload: bool = False) -> None:
         self.layout = layout
         self.device = device or torch.device("cpu")  # where compute and collectives run
         self.optimizer_offload = optimizer_offload
-        self.param_offload = bool(getattr(stage_module, "offload", False))
+        self.param_offload = param_offload  # FSDP keeps the shards in host memory (parallelize.apply_fsdp)
         self.role = role
         self.stage_module = stage_module
         self.config = stage_module.hf.config
@@ -353,17 +353,9 @@ class ShardedModel:
         if self.optimizer_offload:
             self._optimizer_state_to(torch.device("cpu"))
 
-    def optimizer_state(self) -> dict[str, Any]:
-        """weights_only-loadable optimizer state: DTensor state → this rank's local shard."""
-        from torch.distributed.tensor import DTensor
-
-        assert self.optimizer is not None
-        osd = self.optimizer.state_dict()
-        osd["state"] = {k: {n: (v.to_local() if isinstance(v, DTensor) else v) for n, v in st.items()}
-                        for k, st in osd["state"].items()}
-        return osd
-
     def load_optimizer_state(self, osd: dict[str, Any]) -> None:
+        """A per-rank `optimizer.state_dict()` of checkpoint formats 2-3 (DTensor state as local shards),
+        same layout only; format 4 goes through `set_optimizer_tensors`."""
         from torch.distributed.tensor import DTensor
 
         assert self.optimizer is not None
