@@ -3,8 +3,11 @@
     <checkpoint_dir>/step_00000012/     one checkpoint:
         model.safetensors                 the actor, full, HF names (usable with any layout); parameters
                                           as the optimizer holds them: the fp32 master with a 16-bit
-                                          model.dtype (train.master_dtype), so a resume loses nothing
+                                          model.dtype (train.master_dtype), so a resume loses nothing.
+                                          Over HF_SHARD_BYTES: model-0000k-of-0000n.safetensors + index
+                                          (as save_pretrained), streamed from the shards file by file
         critic.safetensors                the critic (adv_estimator=gae), full, HF names + value head
+                                          (critic-0000k-of-… + index when bigger)
         .metadata, __<r>_0.distcp         the AdamW state of actor and critic, sharded: one
                                           torch.distributed.checkpoint (DCP) file per rank holding its
                                           shards, keyed by HF name (`ShardedModel.optimizer_tensors`);
@@ -53,13 +56,17 @@ import torch
 import torch.distributed as dist
 
 from areal_like.api.config import TrainConfig
+from areal_like.weights.disk import SafetensorsDir, write_safetensors_shards
 
 log = logging.getLogger(__name__)
 
-CKPT_FORMAT = 4
-READABLE_FORMATS = (2, 3, 4)  # 2: actor only (no critic); 2-3: optimizer state per rank in rank*.pt (same layout only)
+CKPT_FORMAT = 5
+# 2: actor only (no critic); 2-3: optimizer state per rank in rank*.pt (same layout only); 5: model and
+# critic in safetensors shards of HF_SHARD_BYTES with an index once they are bigger (4: one file each)
+READABLE_FORMATS = (2, 3, 4, 5)
 MODEL_FILE = "model.safetensors"
 CRITIC_FILE = "critic.safetensors"
+HF_SHARD_BYTES = 1 << 30  # train.export_hf: safetensors shard size (rank 0 holds one shard at a time)
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _HASH_CHUNK = 8 << 20
@@ -237,8 +244,6 @@ def _load_optimizer(trainer, path: str, prefixes: list[str]) -> None:
 def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> str:
     """Write `trainer`'s state to the directory `path` atomically (`<path>.tmp`, renamed by rank 0
     once every rank has written). `extra` must be JSON-encodable."""
-    from safetensors.torch import save_file
-
     path = os.path.abspath(path)
     tmp = f"{path}.tmp"
     meta = {"format": CKPT_FORMAT, "layout": str(trainer.layout.spec), "step": trainer.step,
@@ -247,15 +252,15 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
             "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype,
             "dp_sharding": trainer.dp_sharding, "optimizer_state": _with_optimizer_state(trainer)}
     meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
-    actor = trainer.named_tensors_for_push()
-    critic = trainer.critic.gather_full(None, trainer.device) if trainer.critic else []  # its master too
     if trainer.is_rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        save_file({n: t.contiguous() for n, t in actor}, os.path.join(tmp, MODEL_FILE), metadata={"format": "pt"})
-        if trainer.critic is not None:
-            save_file({n: t.contiguous() for n, t in critic}, os.path.join(tmp, CRITIC_FILE), metadata={"format": "pt"})
     trainer.barrier()  # the tmp dir exists
+    # Full tensors, streamed from the shards one file at a time (rank 0 writes; the others join the gathers)
+    for model, prefix in ((trainer.actor, "model"), (trainer.critic, "critic")):
+        if model is not None:  # the master too (fp32 with a 16-bit model.dtype)
+            write_safetensors_shards(model.weights(), tmp, shard_bytes=HF_SHARD_BYTES, write=trainer.is_rank0,
+                                     prefix=prefix)
     _save_optimizer(trainer, tmp)
     rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if trainer.device.type == "cuda":
@@ -277,8 +282,6 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
     `extra`. Every rank reads the full model files and keeps its own shard; the optimizer state
     (format 4) is resharded by DCP to this layout, whatever layout wrote it. Formats 2-3 (optimizer
     state per rank) resume under the layout and sharding that wrote them only."""
-    from safetensors.torch import load_file
-
     with open(os.path.join(path, META_FILE), "rb") as f:
         meta = msgspec.json.decode(f.read())
     if meta.get("format") not in READABLE_FORMATS:
@@ -309,9 +312,10 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         log.warning("checkpoint %s: its master weights and AdamW state are %s; this run keeps them in %s "
                     "(train.master_dtype): converted on load", path,
                     saved_master or "in its model.dtype (written before train.master_dtype)", trainer.cfg.master_dtype)
-    trainer.actor.load_full(load_file(os.path.join(path, MODEL_FILE), device=str(trainer.device)), path)
+    # read tensor by tensor on the host (one full tensor in memory at a time), each rank keeping its shard
+    trainer.actor.load_full(SafetensorsDir(path, "model"), path)
     if trainer.critic is not None:
-        trainer.critic.load_full(load_file(os.path.join(path, CRITIC_FILE), device=str(trainer.device)), path)
+        trainer.critic.load_full(SafetensorsDir(path, "critic"), path)
     own = _rank_file(path, trainer.layout.rank)
     # a rank the writing pool did not have: rank 0's counters and RNG (the same on every rank)
     state = torch.load(own if os.path.isfile(own) else _rank_file(path, 0), map_location=trainer.device,
@@ -336,15 +340,16 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
 
 
 def export_hf(trainer, out_dir: str) -> str:
-    """A complete HF model dir of the actor written by rank 0 (config, safetensors, tokenizer files)."""
-    from safetensors.torch import save_file
-
-    tensors = trainer.named_tensors_for_push()  # the master: written in model.dtype, the model's own dtype
-    tensors = [(n, t.to(trainer.dtype) if t.is_floating_point() else t) for n, t in tensors]
+    """A complete HF model dir of the actor (config, safetensors shards in `model.dtype`, tokenizer
+    files), written by rank 0 from the shards one file at a time (`weights.disk.write_safetensors_shards`:
+    rank 0 never holds the whole model). Collective: every rank calls it."""
     if trainer.is_rank0:
         os.makedirs(out_dir, exist_ok=True)
         trainer.config.save_pretrained(out_dir)
-        save_file({n: t.contiguous() for n, t in tensors}, os.path.join(out_dir, MODEL_FILE), metadata={"format": "pt"})
+    # the master: written in model.dtype, the model's own dtype
+    write_safetensors_shards(trainer.actor.weights(), out_dir, dtype=trainer.dtype, shard_bytes=HF_SHARD_BYTES,
+                             write=trainer.is_rank0)
+    if trainer.is_rank0:
         for name in os.listdir(trainer.model_path):
             src = os.path.join(trainer.model_path, name)
             if name in _HF_MODEL_FILES or name.endswith((".safetensors", ".bin")) or not os.path.isfile(src):

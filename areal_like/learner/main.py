@@ -12,6 +12,8 @@
     ├─ collect the validation of the served version, if one is running (servers must not change under
     │  it); its results go into the metrics row of the step that produced that version
     ├─ push weights to every server (rank 0: pause → buckets → continue)  ← generation waits only here
+    │    each bucket gathered from the shards as it goes: the other ranks join its gathers from their
+    │    wait for rank 0 (`leader_command`), so no rank ever holds the whole model
     ├─ bump the policy version v (only now: the new weights are on every server) → frees the gate
     ├─ request a validation of v every train.test_freq steps (rollout0 runs it while we train on)
     ├─ checkpoint (every train.save_freq steps), then commit the covered entries: ack + trained set
@@ -31,9 +33,11 @@ timeout fires however long the first batch takes, and rank 0's death still stops
 Server restarts (the launcher starts a restarted server with --start-paused and counts it in
 `restarts:server`): before each push, and on every empty read while fetch waits, rank 0 compares the
 count with the last it saw; when it grew, or when a push failed (a server died mid-push), it re-syncs:
-waits for every server, re-forms the weight group (`pusher.reform()`) and pushes the weights it holds
-(those of its last push) again, which also continues the restarted server. Rank 0 alone does this (no
-collective among learner ranks); after MAX_RESYNCS failed tries it raises and the learner exits non-zero.
+waits for every server, re-forms the weight group (`pusher.reform()`) and pushes the served version
+again (the live weights, unchanged since that push), which also continues the restarted server. Rank
+0 leads it; the other ranks join its gathers from their wait. A restart during a validation that
+overlaps the next train step abandons that validation instead (the learner no longer holds its
+weights) and the next push re-syncs. After MAX_RESYNCS failed tries it raises and the learner exits non-zero.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -111,17 +116,19 @@ class Coordinator:
         self.redo: list = []
         self.uncommitted: list[tuple[str, str]] = []  # (entry id, group id) trained, not yet committed
         self.trained_log = os.path.join(run_dir, "trained.jsonl")
-        # (tensors, version) the servers serve: what a re-sync pushes again. For d1p1t1 the tensors
-        # alias the live parameters, unchanged until the next train step (the next push replaces them).
-        self.pushed: tuple[list, int] | None = None
+        # (weights, version) the servers serve: what a re-sync pushes again. The weights are the learner's
+        # live ones (`Trainer.weight_source`), unchanged until the next train step, after which the next
+        # push replaces them (a validation in between is abandoned on a restart: `collect_eval`).
+        self.pushed: tuple[Any, int] | None = None
         self.seen_restarts = 0  # buffer.restarts("server") when the servers were last known in sync
         from areal_like.metrics.loggers import make_loggers
 
         self.loggers = make_loggers(cfg, run_dir, incarnation, on_error=_log)  # TensorBoard, W&B (rank 0 only)
 
-    async def start(self, extra: dict | None, version: int, layout, n_servers: int, tensors: list,
+    async def start(self, extra: dict | None, version: int, layout, n_servers: int, weights,
                     rollback: bool = False) -> None:
-        """Recover the buffer, set up weight sync and make every server serve `tensors` as `version`:
+        """Recover the buffer, set up weight sync and make every server serve `weights` (a
+        `WeightSource`, or a list of (name, tensor)) as `version`:
         pushed when resuming from a checkpoint (the servers may hold newer weights); on a fresh start
         the servers already serve version 0 (model.path) and are only continued (one restarted with
         --start-paused before this learner started waits for that)."""
@@ -136,7 +143,7 @@ class Coordinator:
         if self.redo:
             _log(f"recovered {len(self.redo)} entr(ies) read but not covered by a checkpoint: training them first")
         self.seen_restarts = self.buffer.restarts("server")
-        self.pushed = (tensors, version)
+        self.pushed = (weights, version)
         held = (extra or {}).get("held_row")
         if held is not None:  # the previous learner died before writing it (waiting for its validation)
             self.held_row = msgspec.convert(json.loads(held), StepMetrics)
@@ -151,7 +158,7 @@ class Coordinator:
         except WeightPushError as e:
             resync = f"setting up weight sync failed ({e})"
         if extra is not None or resync is not None:
-            await self._push(tensors, version, resync=resync)
+            await self._push(weights, version, resync=resync)
         if extra is not None:
             _log(f"resumed from step {step} (version {version}); servers reloaded")
         _append_jsonl(self.trained_log, {"event": "start", "incarnation": self.incarnation, "resumed_from_step": step})
@@ -204,10 +211,10 @@ class Coordinator:
         return b
 
     # ---- push, re-sync, version, commit ----------------------------------------------------------------
-    async def push(self, tensors, version: int) -> dict:
+    async def push(self, weights, version: int) -> dict:
         """Push the step's weights as `version`, re-syncing first if a server restarted since the last
         push, and after a failed push (see `_push`)."""
-        return await self._push(tensors, version, resync=self._restarted())
+        return await self._push(weights, version, resync=self._restarted())
 
     def _restarted(self) -> str | None:
         n = self.buffer.restarts("server")
@@ -221,11 +228,11 @@ class Coordinator:
         """A server restarted while nothing is being pushed: push the weights the others serve again."""
         reason = self._restarted()
         if reason is not None and self.pushed is not None:
-            tensors, version = self.pushed
-            await self._push(tensors, version, resync=reason)
+            weights, version = self.pushed
+            await self._push(weights, version, resync=reason)
 
-    async def _push(self, tensors, version: int, resync: str | None = None) -> dict:
-        """Push `tensors` as `version`. With `resync` (why), and after a push that failed (a server
+    async def _push(self, weights, version: int, resync: str | None = None) -> dict:
+        """Push `weights` as `version`. With `resync` (why), and after a push that failed (a server
         died mid-push), re-sync: wait until every server answers, re-form the weight group, push
         (pause → buckets → continue, which also continues a server started paused). At most
         MAX_RESYNCS re-syncs, then WeightPushError: the learner exits, the launcher restarts it."""
@@ -238,14 +245,14 @@ class Coordinator:
                 if reason is not None:
                     seen = self.buffer.restarts("server")  # before: a restart during the re-sync triggers another
                     how = await self.pusher.reform()
-                res = await self.pusher.push(tensors, version)
+                res = await self.pusher.push(weights, version)
             except WeightPushError as e:
                 err = e
                 reason = reason or "a weight push failed"
                 _log(f"weight sync of version {version} failed ({e}): re-syncing the servers")
                 continue
             again = " again" if self.pushed is not None and self.pushed[1] == version else ""
-            self.pushed = (tensors, version)
+            self.pushed = (weights, version)
             if reason is not None:
                 self.seen_restarts = max(self.seen_restarts, seen)
                 M.WEIGHT_RESYNCS.inc()
@@ -286,11 +293,15 @@ class Coordinator:
             self.evals.request(version, step)
             self.eval_pending = version
 
-    async def collect_eval(self, stopping) -> None:
+    async def collect_eval(self, stopping, *, trained_since_push: bool) -> None:
         """Wait for the pending validation (the servers must keep its version until it ends) and write
         the held metrics row of the step it evaluated, results included (none if asked to stop).
-        A server restarted meanwhile is re-synced (to this same version) without abandoning the wait:
-        it may hold the validation's requests paused."""
+
+        A server restarted meanwhile (it may hold the validation's requests paused) is re-synced to
+        the served version without abandoning the wait — when the learner still holds that version:
+        the push reads the live weights, so after a train step (`trained_since_push`) it does not. Then
+        the validation is abandoned (the row goes without results, the log says why) and the push that
+        follows re-syncs every server with the new version."""
         if self.evals is not None and self.eval_pending is not None:
             deadline = time.monotonic() + self.cfg.eval.timeout_s
             while True:
@@ -299,6 +310,12 @@ class Coordinator:
                                              on_wait=self._raise_if_restarted) or {}
                     break
                 except _ServersRestarted:
+                    if trained_since_push:
+                        _log(f"a server restarted during the validation of version {self.eval_pending}, whose "
+                             "weights the learner no longer holds (it trained the next step): validation abandoned; "
+                             "the next push re-syncs every server")
+                        res = {}
+                        break
                     await self._resync_if_restarted()
             self.eval_pending = None
             M.set_val_metrics(res)
@@ -370,13 +387,13 @@ class Follower:
 
     async def start(self, *a, **kw) -> None: ...
     async def fetch(self, version: int, stopping) -> Batch: return Batch()  # noqa: E704
-    async def push(self, tensors, version: int) -> dict: return {"push_s": 0.0}  # noqa: E704
+    async def push(self, weights, version: int) -> dict: return {"push_s": 0.0}  # noqa: E704
     def set_version(self, version: int) -> None: ...
     def published(self, *a) -> None: ...
     def commit(self, step: int) -> None: ...
     def checkpoint_extra(self, step: int, version: int) -> dict: return {"step": step, "version": version}  # noqa: E704
     def maybe_request_eval(self, *a) -> None: ...
-    async def collect_eval(self, stopping) -> None: ...
+    async def collect_eval(self, stopping, *, trained_since_push: bool) -> None: ...
     def report(self, *a) -> None: ...
     async def close(self, *a, **kw) -> None: ...
 
@@ -409,10 +426,11 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     step = last_saved = extra["step"] if extra else 0
     version = extra["version"] if extra else 0
     coord = Coordinator(cfg, endpoints, run_dir, incarnation, weight_port, metrics_port) if rank == 0 else Follower()
-    # Collective gather (full tensors on rank 0): pushed when resuming (the servers may hold newer weights
-    # from steps this checkpoint does not have), and kept to push again if a server restarts before step 1.
-    await coord.start(extra, version, trainer.layout, len(endpoints.servers), trainer.named_tensors_for_push(),
-                      rollback=ckpt.rollback)
+    # What rank 0 pushes: the live weights, read one bucket at a time from the shards (the other ranks
+    # join the gathers from their next leader_ready wait). Pushed when resuming (the servers may hold
+    # newer weights from steps this checkpoint does not have), and again if a server restarts.
+    weights = trainer.weight_source()
+    await coord.start(extra, version, trainer.layout, len(endpoints.servers), weights, rollback=ckpt.rollback)
     coord.set_version(version)
     coord.maybe_request_eval(version, step)
     # SIGTERM/SIGINT (launcher stop, Ctrl-C): rank 0 finishes the step in hand, tells the other
@@ -441,9 +459,8 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
             break
         step += 1
         stats = trainer.train_step(groups, version)  # B groups, always (fetch replaces every drop)
-        tensors = trainer.named_tensors_for_push()  # collective; full tensors on rank 0
-        await coord.collect_eval(stopping)
-        push = await coord.push(tensors, version + 1)
+        await coord.collect_eval(stopping, trained_since_push=True)
+        push = await coord.push(weights, version + 1)  # the other ranks serve its gathers from their next wait
         version += 1
         coord.published(step, version, batch)
         coord.maybe_request_eval(version, step)
@@ -455,7 +472,11 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         elif ckpt.should_save(step) or step == cfg.train.total_steps:
             checkpoint_and_commit()
 
-    await coord.collect_eval(stopping)  # the last validation, if one is running (none when stopping)
+    # The others serve rank 0's last push from here (its gathers) before they may leave.
+    trainer.layout.leader_ready("finish the last weight push")
+    # The others serve rank 0's last push from here (its gathers) before they may leave.
+    trainer.layout.leader_ready("finish the last weight push")
+    await coord.collect_eval(stopping, trained_since_push=False)  # the last validation, if one is running (none when stopping)
     if stopped and ckpt.save_freq > 0 and step > last_saved:
         checkpoint_and_commit()
     await coord.close(stopped, step, version, saved=stopped and ckpt.save_freq > 0)

@@ -34,7 +34,7 @@ stream their micro-batches, keeping per-token results only. `model.enable_gradie
 recomputes each decoder layer of the actor and critic in backward (parallelize.py, step 3).
 
 What this module does not do: no buffer reads (the caller passes groups), no weight transport
-(`named_tensors_for_push` hands full tensors to rank 0's pusher), no process-group init; batching,
+(`weight_source` lets rank 0's pusher read the actor's full tensors one bucket at a time), no process-group init; batching,
 the LR schedule and checkpoints live beside it (batching.py, schedule.py, checkpoint.py).
 """
 
@@ -140,6 +140,7 @@ class Trainer:
             layout = ParallelLayout(spec, timeout_s=train_cfg.collective_timeout_s,
                                     device_type=torch.device(device).type)
         self.layout = layout
+        layout.on_command = self.serve_command  # rank 0's weight reads, joined from leader_ready waits
         self.cfg = train_cfg
         self.alg = algorithm or AlgorithmConfig()
         self.critic_cfg = critic or CriticConfig()
@@ -638,17 +639,32 @@ class Trainer:
         }
 
     # ---- full tensors on rank 0 -------------------------------------------------------------------
-    def named_tensors_for_push(self) -> list[tuple[str, torch.Tensor]]:
-        """The actor's HF-named FULL tensors on rank 0 (what `save_pretrained` writes); [] on every
-        other rank. Collective: call it on every rank. On rank 0 the stage-0 tensors alias the live
-        weights (tp=1): send them before the next `train_step`. Parameters come from the optimizer's
-        master (fp32 with a 16-bit `model.dtype`): the push casts them once, to `server.dtype`."""
-        return self.actor.gather_full(None, self.device)
+    def weight_source(self):
+        """The actor's full state as a `WeightSource` for rank 0's pusher (HF names, `save_pretrained`
+        order; parameters from the optimizer's master, fp32 with a 16-bit `model.dtype`: the push casts
+        them once, to `server.dtype`). Rank 0 reads it one bucket at a time, gathering each from the
+        shards; the other ranks join those gathers from their `leader_ready` wait (`serve_command`).
+        It reads the live weights: push it before the next `train_step`."""
+        return self.actor.weights(announce=self.layout.leader_command)
+
+    def serve_command(self, cmd: str) -> None:
+        """A follower runs rank 0's `leader_command`: `gather <role> <i,j,…>` = its part of rank 0's
+        reading those tensors of that model (`GatheredWeights.open`)."""
+        verb, role, idx = cmd.split(" ", 2)
+        model = {"actor": self.actor, "critic": self.critic}.get(role) if verb == "gather" else None
+        if model is None:
+            raise RuntimeError(f"learner rank {self.layout.rank}: unknown command from rank 0: {cmd[:80]!r}")
+        model.weights().serve([int(i) for i in idx.split(",")])
+
+    def full_state(self) -> list[tuple[str, torch.Tensor]]:
+        """The actor's HF-named full tensors on rank 0 ([] elsewhere), all at once; for tests and
+        small models. Collective."""
+        return self.actor.gather_full()
 
     def named_full_grads(self) -> list[tuple[str, torch.Tensor]]:
         """The actor's full gradients of the last optimizer step (after dp reduction and clipping)
         on rank 0, HF names; for tests. Collective."""
-        return self.actor.gather_full(self.actor.grad_tensors(), self.device)
+        return self.actor.gather_full(self.actor.grad_tensors(), params_only=True)
 
     def barrier(self) -> None:
         self.layout.barrier()  # the host (gloo) world group, under its timeout

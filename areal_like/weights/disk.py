@@ -17,17 +17,21 @@ it holds. This module does not decide when to push or which version comes next (
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import parse_dtype
+from areal_like.weights.source import WeightSource, as_source, plan_buckets, wire_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -36,33 +40,109 @@ _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
-def write_hf_checkpoint(named_tensors: list[tuple[str, torch.Tensor]], out_dir: str, model_path: str | None,
-                        dtype: torch.dtype | None = None) -> int:
-    """Write `out_dir` atomically (a tmp dir renamed into place): model.safetensors with the named
-    tensors (floating-point ones cast to `dtype`, None = as they are) plus every non-weight file of
-    `model_path` (config.json, tokenizer files). Returns bytes."""
+def shard_files(n: int, prefix: str = "model") -> list[str]:
+    """HF's file names of n shards: `model.safetensors` alone, else `model-00001-of-00003.safetensors` …
+    (with `model.safetensors.index.json` beside them)."""
+    return [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
+def index_file(prefix: str = "model") -> str:
+    return f"{prefix}.safetensors.index.json"
+
+
+class SafetensorsDir:
+    """The tensors `write_safetensors_shards` wrote under `prefix` in `path`, read lazily by name
+    (`name in d`, `d[name]` on the host): one tensor in memory at a time, whatever the model's size."""
+
+    def __init__(self, path: str, prefix: str = "model") -> None:
+        from safetensors import safe_open
+
+        index = os.path.join(path, index_file(prefix))
+        if os.path.isfile(index):
+            with open(index) as f:
+                self._file_of = dict(json.load(f)["weight_map"])
+        else:
+            single = os.path.join(path, f"{prefix}.safetensors")
+            if not os.path.isfile(single):
+                raise FileNotFoundError(f"{path} has neither {prefix}.safetensors nor {index_file(prefix)}")
+            with safe_open(single, "pt") as f:
+                self._file_of = {k: f"{prefix}.safetensors" for k in f.keys()}
+        self._path = path
+        self._open: dict[str, Any] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._file_of
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        fname = self._file_of[name]
+        if fname not in self._open:
+            self._open[fname] = safe_open(os.path.join(self._path, fname), "pt", device="cpu")
+        return self._open[fname].get_tensor(name)
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+
+def write_safetensors_shards(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str, *,
+                             dtype: torch.dtype | None = None, shard_bytes: int = 512 << 20,
+                             write: bool = True, prefix: str = "model") -> int:
+    """The weights as HF safetensors files in `out_dir`, streamed: one file per shard of at most
+    `shard_bytes` (`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`, as
+    `save_pretrained` writes; one shard = `model.safetensors`), floating-point tensors cast to
+    `dtype` (None = as they are) on their way to host memory. At most one shard plus the tensor in
+    hand is held. With a gathering source every rank of the learner pool calls it (the gathers are
+    collective) and only the one with `write` (rank 0) writes. `prefix` replaces `model` in the file
+    names (a checkpoint's critic). `SafetensorsDir` reads them back. Returns the bytes written."""
     from safetensors.torch import save_file
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    src = as_source(weights)
+    meta = src.meta
+    shards = plan_buckets(meta, shard_bytes, dtype, aligned=False)
+    names = shard_files(len(shards), prefix)
+    nbytes = 0
+    weight_map: dict[str, str] = {}
+    for fname, idx in zip(names, shards):
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-        nbytes = 0
-        for name, t in named_tensors:
+        for name, t in src.open(idx):
+            if t is None or not write:  # a follower of the gathers, or nothing to write here
+                continue
             # One cast per tensor, on its way to host memory (the servers load what they hold).
-            t = t.detach().to("cpu", dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype).contiguous()
+            t = t.detach().to("cpu", dtype=wire_dtype_of(t.dtype, dtype)).contiguous()
             # safetensors refuses tensors sharing storage (tied embeddings): give repeats their own copy.
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:
                 t = t.clone()
             seen.add(ptr)
             tensors[name] = t
+            weight_map[name] = fname
             nbytes += t.numel() * t.element_size()
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            del t
+        if write:
+            save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        del tensors
+    if write and len(shards) > 1:
+        with open(os.path.join(out_dir, index_file(prefix)), "w") as f:
+            json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return nbytes
+
+
+def write_hf_checkpoint(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str,
+                        model_path: str | None, dtype: torch.dtype | None = None,
+                        shard_bytes: int = 512 << 20) -> int:
+    """Write `out_dir` atomically (a tmp dir renamed into place): the weights as safetensors shards
+    (`write_safetensors_shards`: floating-point ones cast to `dtype`, None = as they are) plus every
+    non-weight file of `model_path` (config.json, tokenizer files). Returns bytes. A gathering
+    source: every rank of the pool calls `write_safetensors_shards` alongside (rank 0 calls this)."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        nbytes = write_safetensors_shards(weights, tmp, dtype=dtype, shard_bytes=shard_bytes)
         if model_path:
             for fname in os.listdir(model_path):
                 src = os.path.join(model_path, fname)
@@ -81,7 +161,8 @@ class DiskWeightPusher(ServerAdmin):
     """Push weights as an HF checkpoint dir the servers load with /update_weights_from_disk."""
 
     def __init__(self, servers: list[str], *, out_dir: str, model_path: str | None = None, timeout_s: float = 300.0,
-                 admin_api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None):
+                 admin_api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None,
+                 shard_bytes: int = 512 << 20):
         super().__init__(servers, timeout_s=timeout_s, admin_api_key=admin_api_key)
         # The servers' dtype (`server.dtype`): floating-point tensors are written in it. None = as they are.
         self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -90,6 +171,7 @@ class DiskWeightPusher(ServerAdmin):
         self.out_dir = os.path.abspath(out_dir)
         self.model_path = model_path
         self.keep = keep
+        self.shard_bytes = shard_bytes  # safetensors file size (`weights.bucket_mb`): what one write holds
 
     # ---------------------------------------------------------------- API
     async def init(self) -> None:
@@ -100,8 +182,9 @@ class DiskWeightPusher(ServerAdmin):
     def version_dir(self, version: int) -> str:
         return os.path.join(self.out_dir, f"v{version:08d}")
 
-    async def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    async def push(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Write → pause → every server loads it → continue. Sets every server's weight_version to str(version).
+        `weights`: a `WeightSource` (streamed shard by shard) or a list of (name, tensor).
 
         On a failed load the servers keep (roll back to) their old weights; generation is continued
         and WeightPushError names the server."""
@@ -110,7 +193,8 @@ class DiskWeightPusher(ServerAdmin):
         t0 = time.perf_counter()
         path = self.version_dir(version)
         # Written before the pause: generation does not wait for the disk.
-        nbytes = await asyncio.to_thread(write_hf_checkpoint, named_tensors, path, self.model_path, self.dtype)
+        nbytes = await asyncio.to_thread(write_hf_checkpoint, weights, path, self.model_path, self.dtype,
+                                         self.shard_bytes)
         t_written = time.perf_counter()
         await self._all("/pause_generation", {"mode": "abort"})
         t_paused = time.perf_counter()

@@ -30,6 +30,8 @@ from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushE
 from areal_like.api.net import free_port
 from areal_like.weights.group import WeightGroup, init_weight_group
 from areal_like.weights.receive import dtype_name, parse_dtype
+from areal_like.weights.source import (LocalWeights, WeightSource, as_source, fill_bucket, meta_nbytes, plan_buckets,
+                                       source_device, wire_dtype_of)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 def wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype `t` travels in: the servers' `dtype` for floating-point tensors (None = as it is);
     integer and bool buffers are never cast."""
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return wire_dtype_of(t.dtype, dtype)
 
 
 def wire_nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
@@ -47,65 +49,26 @@ def wire_nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
 def make_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int,
                  dtype: torch.dtype | None = None) -> list[list[tuple[str, torch.Tensor]]]:
     """Cut the tensors, in order, into buckets of at most `bucket_bytes` as sent (cast to `dtype`;
-    a bigger tensor goes alone)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = []
-    cur: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        n = wire_nbytes(t, dtype)
-        if cur and size + n > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append((name, t))
-        size += n
-    if cur:
-        buckets.append(cur)
-    return buckets
+    a bigger tensor goes alone). `plan_buckets` on a source's metadata does the same by index."""
+    src = LocalWeights(named_tensors)
+    return [[named_tensors[i] for i in b] for b in plan_buckets(src.meta, bucket_bytes, dtype, aligned=False)]
 
 
 def align_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
                  ) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's tensors ordered by element size as sent (`wire_dtype`), largest first (stable
-    within one size).
-
-    A flattened bucket carries no padding: the receiver (SGLang's `FlattenedTensorBucket.empty`, and
-    ours) places tensor i at the sum of the earlier tensors' bytes and refuses an offset that is not
-    a multiple of its dtype's size. Element sizes are powers of two and every tensor's byte size is a
-    multiple of its own, so in this order every offset is aligned: a bucket mixing e.g. bool and fp32
-    tensors in model order (fp32 after an odd-sized bool) would otherwise be rejected."""
+    """The bucket's tensors ordered by element size as sent, largest first (see `plan_buckets`): a
+    bucket mixing e.g. bool and fp32 tensors in model order would otherwise be rejected."""
     return sorted(bucket, key=lambda nt: -wire_dtype(nt[1], dtype).itemsize)
 
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """The tensors' bytes (floating-point ones cast to `dtype`) concatenated in order: one uint8
-    tensor (on the tensors' device).
-
-    With `out` (a uint8 buffer at least that big) the bytes land in its prefix, which is returned.
-    A cast writes straight into the buffer (`copy_` converts): no cast copy of the model, nor of a
-    bucket, is ever held besides the buffer."""
-    if dtype is None or all(wire_dtype(t, dtype) == t.dtype for _, t in bucket):
-        parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-        if out is None:
-            return torch.cat(parts)
-        n = sum(p.numel() for p in parts)
-        return torch.cat(parts, out=out[:n])
+    tensor (on the tensors' device); with `out` (a uint8 buffer at least that big) in its prefix."""
     n = sum(wire_nbytes(t, dtype) for _, t in bucket)
     if out is None:
         out = torch.empty(n, dtype=torch.uint8, device=bucket[0][1].device)
-    off = 0
-    for _, t in bucket:
-        wd, size = wire_dtype(t, dtype), wire_nbytes(t, dtype)
-        dst = out[off:off + size]
-        src = t.detach().reshape(-1)
-        if wd == t.dtype:
-            dst.copy_(src.contiguous().view(torch.uint8))
-        elif off % wd.itemsize == 0:
-            dst.view(wd).copy_(src)  # the cast lands in the bucket
-        else:  # an offset not aligned to the dtype (after an odd-sized tensor): one tensor's cast copy
-            dst.copy_(src.to(wd).view(torch.uint8))
-        off += size
-    return out[:n]
+    return fill_bucket(iter(bucket), LocalWeights(bucket).meta, out, dtype)
 
 
 class _FlatBuffers:
@@ -239,8 +202,14 @@ class WeightPusher(ServerAdmin):
         await self._form_group()
         return f"re-formed the weight group as {self.group_name!r} on {self.master_addr}:{self.master_port}"
 
-    async def push(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    async def push(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Pause → bucketed broadcast → continue. Sets every server's weight_version to str(version).
+
+        `weights`: a `WeightSource` (a sharded learner's gathers one bucket at a time) or a list of
+        (name, tensor). Buckets are planned from its metadata; each is filled tensor by tensor, cast
+        to the servers' dtype on the way. A source in memory has the next bucket filled while one
+        is on the wire (two buffers); a gathering source one bucket at a time (one buffer), so the
+        sending rank holds at most one bucket plus the tensor being gathered beyond its shard.
 
         On failure the servers stay paused (their weights may be partly new): retry the push, or
         reload from disk, then `resume()`.
@@ -249,25 +218,32 @@ class WeightPusher(ServerAdmin):
             raise WeightPushError("push() before init(): the weight group does not exist")
         t0 = time.perf_counter()
         dt = self.dtype
-        buckets = [align_bucket(b, dt) for b in make_buckets(named_tensors, self.bucket_bytes, dt)]
+        src = as_source(weights)
+        meta = src.meta
+        buckets = plan_buckets(meta, self.bucket_bytes, dt)
+        overlap = not src.gathers
+        device = source_device(src)
         total_bytes = 0
 
         def flatten(i: int) -> torch.Tensor:
-            b = buckets[i]
-            nbytes = sum(wire_nbytes(t, dt) for _, t in b)
-            return flatten_bucket(b, out=self._flat.get(i, nbytes, b[0][1].device), dtype=dt)
+            idx = buckets[i]
+            nbytes = sum(meta_nbytes(meta[j], dt) for j in idx)
+            buf = self._flat.get(i if overlap else 0, nbytes, device)
+            return fill_bucket(src.open(idx), [meta[j] for j in idx], buf, dt)
 
-        # The first bucket is flattened before the pause: generation does not wait for it.
+        # The first bucket is filled before the pause: generation does not wait for it.
         next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, 0)) if self.flattened and buckets else None
         await self._all("/pause_generation", {"mode": "abort"})
         t_paused = time.perf_counter()
         await self._begin_or_end("/begin_weight_update")
-        for i, bucket in enumerate(buckets):
+        for i, idx in enumerate(buckets):
             last = i == len(buckets) - 1
+            if self.flattened and next_flat is None:  # one buffer: fill this bucket after the last one left
+                next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i))
             body = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [dtype_name(wire_dtype(t, dt)) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
+                "names": [meta[j][0] for j in idx],
+                "dtypes": [dtype_name(wire_dtype_of(meta[j][2], dt)) for j in idx],
+                "shapes": [list(meta[j][1]) for j in idx],
                 "group_name": self.group_name,
                 # No flush per bucket (0.5.5–0.5.21: a flush while requests run kills the scheduler); one
                 # /flush_cache per update below, once every bucket landed.
@@ -277,20 +253,25 @@ class WeightPusher(ServerAdmin):
                 "weight_version": str(version) if last else None,
                 "load_format": "flattened_bucket" if self.flattened else None,
             }
-            http = [asyncio.ensure_future(self._post(u, "/update_weights_from_distributed", body))
-                    for u in self.server_urls]
             if self.flattened:
+                # A gathering source is filled before the servers are asked to receive: they wait in
+                # the broadcast only as long as it takes.
                 buf = await next_flat
-                # Flatten the next bucket into the other buffer while this one is broadcast.
-                next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i + 1)) if not last else None
+                http = [asyncio.ensure_future(self._post(u, "/update_weights_from_distributed", body))
+                        for u in self.server_urls]
+                # In memory: fill the next bucket into the other buffer while this one is broadcast.
+                next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i + 1)) if overlap and not last else None
                 total_bytes += buf.numel()
                 coll = lambda buf=buf, i=i: self.group.broadcast(buf, 0, what=f"bucket {i}")  # noqa: E731
             else:
-                total_bytes += sum(wire_nbytes(t, dt) for _, t in bucket)
+                http = [asyncio.ensure_future(self._post(u, "/update_weights_from_distributed", body))
+                        for u in self.server_urls]
+                total_bytes += sum(meta_nbytes(meta[j], dt) for j in idx)
 
-                def coll(bucket=bucket):
-                    for n, t in bucket:  # cast one tensor at a time, right before it is sent
+                def coll(idx=idx):
+                    for n, t in src.open(idx):  # cast one tensor at a time, right before it is sent
                         self.group.broadcast(t.detach().to(wire_dtype(t, dt)).contiguous(), 0, what=f"tensor {n!r}")
+                        del t
             await self._with_collective(http, coll)
         await self._begin_or_end("/end_weight_update")
         # One cache flush per update, before continue: SGLang keeps finished and aborted requests'

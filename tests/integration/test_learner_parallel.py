@@ -1,7 +1,8 @@
 """Numerical equivalence of the learner pool on CPU (gloo): for a tiny Qwen2 and a fixed batch of
 TrajectoryGroups, the loss, the full gradients (after dp reduction and clipping) and the weights
 after one optimizer step under d2, p2 (1F1B and GPipe), t2, d2p2, d2t2 and p2t2 equal a plain
-single-process oracle written here (one padded batch, the published loss; fp32, 1e-5). Every
+single-process oracle written here (one padded batch, the published loss; fp32, 1e-5) — the weights
+read as a push reads them (bucket by bucket, gathered from the shards as it goes). Every
 layout with d2 runs three ways: `train.dp_sharding=full` (FSDP2, ZeRO-3; 2-D with TP, each pipeline
 stage sharded), `grad_op` (ZeRO-2) and `none` (replicated) — the dp gradient stays a SUM either way.
 
@@ -30,6 +31,7 @@ from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import synthetic_groups
 from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
 from areal_like.learner.trainer import Trainer
+from areal_like.weights.source import plan_buckets
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +59,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _read_as_a_push_does(ln: Trainer) -> list:
+    """The actor's full weights as rank 0's pusher reads them: small buckets, each gathered from
+    the shards as it goes while the other ranks serve the gathers from their `leader_ready` wait."""
+    src = ln.weight_source()
+    out = []
+    if ln.layout.rank == 0:
+        for idx in plan_buckets(src.meta, 2048):
+            out += [(n, t.clone()) for n, t in src.open(idx)]
+    ln.layout.leader_ready("finish reading the weights")
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -75,7 +89,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
             ln = Trainer(model_dir, cfg, layout, temperature=TEMP)
             st = ln.train_step(groups, version=0)
             grads = ln.named_full_grads()
-            weights = ln.named_tensors_for_push()
+            weights = _read_as_a_push_does(ln)
             if rank == 0:
                 save_file({n: t.contiguous() for n, t in grads}, os.path.join(out_dir, f"{name}.grads.safetensors"))
                 save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.weights.safetensors"))
@@ -88,8 +102,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                           layout, temperature=TEMP, algorithm=EXT_ALG, gradient_checkpointing=True,
                           critic=CriticConfig(**off), ref=RefConfig(param_offload=bool(off)))
             st = ext.train_step(groups, version=0)
-            weights = ext.named_tensors_for_push()
-            critic = ext.critic.gather_full(dict(ext.critic.local), ext.device)
+            weights = ext.full_state()
+            critic = ext.critic.gather_full(dict(ext.critic.local))
             if rank == 0:
                 save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.ext.safetensors"))
                 save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{name}.critic.safetensors"))
@@ -171,8 +185,8 @@ def ext_reference(model_dir):
         ln = Trainer(model_dir, TrainConfig(**EXT_CFG, logits_chunk_tokens=0), None, temperature=TEMP,
                      algorithm=EXT_ALG)
         st = ln.train_step(synthetic_groups(7), version=0)
-        critic = dict(ln.critic.gather_full(dict(ln.critic.local), ln.device))
-        return st, dict(ln.named_tensors_for_push()), critic
+        critic = dict(ln.critic.gather_full(dict(ln.critic.local)))
+        return st, dict(ln.full_state()), critic
     finally:
         torch.set_num_threads(threads)
 

@@ -79,8 +79,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                                   and type(p) is type(m) and getattr(p, "placements", None) == getattr(m, "placements", None)
                                   and torch.equal(local_tensor(p), local_tensor(m).to(torch.bfloat16))
                                   and local_tensor(st["exp_avg"]).dtype == torch.float32)
-            weights = [(n, t.clone()) for n, t in ln.named_tensors_for_push()]  # rank 0's alias the master
-            critic = [(n, t.clone()) for n, t in ln.critic.gather_full(None, ln.device)]
+            weights = [(n, t.clone()) for n, t in ln.full_state()]  # rank 0's alias the master
+            critic = [(n, t.clone()) for n, t in ln.critic.gather_full()]
             ck = save_checkpoint(ln, os.path.join(out_dir, f"{name}.ckpt"))
             resumed = make()
             load_checkpoint(resumed, ck)
@@ -123,9 +123,9 @@ def fp32_reference(model_dir):
     torch.set_num_threads(1)
     try:
         ln = Trainer(model_dir, TrainConfig(**CFG), None, temperature=TEMP, algorithm=ALG)
-        init = {n: t.clone() for n, t in ln.named_tensors_for_push()}
+        init = {n: t.clone() for n, t in ln.full_state()}
         stats = [ln.train_step(synthetic_groups(20 + s, version=s), version=s) for s in range(STEPS)]
-        return init, stats, dict(ln.named_tensors_for_push())
+        return init, stats, dict(ln.full_state())
     finally:
         torch.set_num_threads(threads)
 

@@ -107,7 +107,7 @@ def test_fp32_model_has_no_extra_copy(model_dir):
 def test_push_and_export_read_the_fp32_master(model_dir, tmp_path):
     ln = Trainer(model_dir, cfg(lr=1e-3), temperature=TEMP, dtype="bfloat16")
     ln.train_step(groups(), version=0)
-    pushed = dict(ln.named_tensors_for_push())
+    pushed = dict(ln.full_state())
     master = {n: m.detach() for n, m in ln.actor.master_by_name.items()}
     assert set(master) <= set(pushed)
     for n, m in master.items():

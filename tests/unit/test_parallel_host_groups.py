@@ -142,18 +142,18 @@ def _late_first_batch_rank(rank: int, world: int, port: int, q, model_dir: str) 
         for step in range(2):
             if rank == 0:
                 # rank 0 waits for its batch (the buffer, a long first generation) far beyond the timeout
-                time.sleep(4 * TIMEOUT_S)
+                time.sleep(2.5 * TIMEOUT_S)
             groups, version = broadcast_groups(synthetic_groups(100 + step) if rank == 0 else None, step, tr.layout)
             st = tr.train_step(groups, version)
             if step == 0:
                 if rank == 0:
-                    time.sleep(4 * TIMEOUT_S)  # a validation and a push before the checkpoint
+                    time.sleep(2.5 * TIMEOUT_S)  # a validation and a push before the checkpoint
                 tr.layout.leader_ready("checkpoint")  # as main.py before a checkpoint
                 tr.barrier()
             stats.append((st["loss"], st["grad_norm"], st["skipped"]))
         tr.barrier()  # the followers passed every wait: the store holds none of its keys any more
         store = dist.distributed_c10d._get_default_store()
-        left = [k for n in (1, 2, 3) for k in (f"areal_like/leader_ready/{n}", f"areal_like/leader_ready/{n}/passed")
+        left = [k for n in (1, 2, 3) for k in (f"areal_like/leader/{n}", f"areal_like/leader/{n}/passed")
                 if store.check([k])]
         q.put((rank, {"stats": stats, "keys_left": left}))
         dist.destroy_process_group()

@@ -272,7 +272,11 @@ def test_non_finite_gradient_skips_the_step(model_dir, caplog):
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_checkpoint_round_trip_matches_uninterrupted_run(model_dir, tmp_path, estimator):
+def test_checkpoint_round_trip_matches_uninterrupted_run(model_dir, tmp_path, estimator, monkeypatch):
+    if estimator == "gae":  # weights in several safetensors shards + index, as a real model's are
+        import areal_like.learner.checkpoint as C
+
+        monkeypatch.setattr(C, "HF_SHARD_BYTES", 40_000)
     c = cfg(lr=3e-3, ppo_minibatches=2)
     alg = AlgorithmConfig(adv_estimator=estimator)
     make = lambda: Trainer(model_dir, c, temperature=TEMP, algorithm=alg)  # noqa: E731
@@ -288,6 +292,10 @@ def test_checkpoint_round_trip_matches_uninterrupted_run(model_dir, tmp_path, es
     save_checkpoint(first, ck, extra={"buffer_offset": "12-0", "version": 2})  # overwrite in place works
     del first
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no tmp/old dirs left behind
+    if estimator == "gae":
+        files = os.listdir(ck)
+        assert "model.safetensors.index.json" in files and "critic.safetensors.index.json" in files, files
+        assert len([f for f in files if f.startswith("model-0")]) > 1, files
 
     resumed = make()
     extra = load_checkpoint(resumed, ck)
@@ -318,7 +326,7 @@ def test_push_names_match_hf_files_and_save_hf_round_trips(tmp_path):
 
     tied = build_tiny_model(str(tmp_path / "tied"), tie_word_embeddings=True, num_layers=1)
     ln = Trainer(tied, cfg(), temperature=TEMP)
-    pushed = ln.named_tensors_for_push()
+    pushed = ln.full_state()
     with safe_open(os.path.join(tied, "model.safetensors"), "pt") as f:
         file_keys = set(f.keys())
     assert {n for n, _ in pushed} == file_keys  # tied lm_head not repeated

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,7 +125,9 @@ class ParallelLayout:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device_type = device_type
         self.device_backend = device_backend or DEVICE_BACKENDS.get(device_type)
-        self._leader_seq = 0  # leader_ready calls so far (the same count on every rank)
+        self._leader_seq = 0  # messages from rank 0 so far (leader_ready, leader_command; the same count on every rank)
+        # A follower's handler of rank 0's `leader_command`s (run inside its leader_ready wait).
+        self.on_command: Callable[[str], None] | None = None
         self.distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if self.distributed else 1
         if spec.world_size != world:
@@ -194,16 +197,44 @@ class ParallelLayout:
         pool's store in bounded waits of LEADER_POLL_S, re-armed with no overall limit: rank 0 has
         its own timeouts on what it waits for, and a collective timeout must not cut a long first
         batch short. The store is hosted by rank 0, so rank 0 dying ends the wait at once with an
-        error naming it (no silent hang)."""
+        error naming it (no silent hang).
+
+        While it waits, a follower runs the commands rank 0 sends with `leader_command` (in order,
+        through `on_command`): a weight push gathers each bucket from the shards that way."""
         if not self.distributed or self.world_size == 1:
             return
+        if self.rank == 0:
+            self._post(b"ready:" + what.encode())
+            return
+        while True:
+            msg = self._next_message(what)
+            if not msg.startswith(b"cmd:"):
+                return
+            if self.on_command is None:
+                raise RuntimeError(f"learner rank {self.rank}: rank 0 sent a command ({msg[4:80]!r}) but this "
+                                   "rank has no handler (ParallelLayout.on_command)")
+            self.on_command(msg[4:].decode())
+
+    def leader_command(self, cmd: str) -> None:
+        """Rank 0 only: the followers, waiting in `leader_ready`, run `on_command(cmd)` next (a command
+        that is collective with rank 0 — rank 0 enters the same collectives right after)."""
+        if not self.distributed or self.world_size == 1:
+            return
+        if self.rank != 0:
+            raise RuntimeError("leader_command is rank 0's (the followers receive it in leader_ready)")
+        self._post(b"cmd:" + cmd.encode())
+
+    def _post(self, msg: bytes) -> None:
         # The default group's store: the pool's TCPStore (init_pool_from_env makes rank 0 host it).
         store = dist.distributed_c10d._get_default_store()
         self._leader_seq += 1
-        key = f"areal_like/leader_ready/{self._leader_seq}"
-        if self.rank == 0:
-            store.set(key, what)
-            return
+        store.set(f"areal_like/leader/{self._leader_seq}", msg)
+
+    def _next_message(self, what: str) -> bytes:
+        """A follower's next message from rank 0, waited for without an overall limit (see leader_ready)."""
+        store = dist.distributed_c10d._get_default_store()
+        self._leader_seq += 1
+        key = f"areal_like/leader/{self._leader_seq}"
         t0 = last_log = time.monotonic()
         poll = datetime.timedelta(seconds=min(LEADER_POLL_S, self.timeout.total_seconds()))
 
@@ -231,10 +262,15 @@ class ParallelLayout:
                 if now - last_log >= LEADER_LOG_EVERY_S:
                     print(f"[learner] rank {self.rank}: waiting {now - t0:.0f} s for rank 0 to {what}", flush=True)
                     last_log = now
+        try:
+            msg = store.get(key)
+        except dist.DistError as e:
+            raise leader_gone(e) from e
         # The last follower through removes the key (the store lives as long as the pool).
         if store.add(f"{key}/passed", 1) == self.world_size - 1:
             store.delete_key(key)
             store.delete_key(f"{key}/passed")
+        return msg
 
     def submesh(self, name: str):
         """The 1-D DeviceMesh of dim `name` ("pp", "dp", "tp") containing this rank."""

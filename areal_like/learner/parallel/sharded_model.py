@@ -30,7 +30,7 @@ push order (what `save_pretrained` writes), whatever the layout.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -110,6 +110,7 @@ class ShardedModel:
         self.master_dtype = master_dtype if trainable and master_dtype != compute_dtype and not self.fsdp else None
         # The dtypes as `state_tensors` holds them (the master's for parameters): what gathers carry.
         # `param_names`: the whole model's parameters (other stages' too), buffers excluded.
+        self.param_names = param_names
         self.state_meta = [(n, shape, self.master_dtype if self.master_dtype is not None and dt.is_floating_point
                             and n in param_names else dt, st) for n, shape, dt, st in full_meta]
         # A language model's last stage outputs hidden states; its head (`lm_head`) runs in the loss,
@@ -255,50 +256,63 @@ class ShardedModel:
         return norm
 
     # ---- full tensors ------------------------------------------------------------------------------
-    def gather_full(self, local: dict[str, torch.Tensor] | None, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """Full unsharded tensors in `full_meta` order on rank 0 ([] elsewhere); `local` None = the
-        state (`state_tensors`: the master where there is one). Collective: every rank calls it.
-        DTensors are all-gathered over the dims they are split on (tp, dp with FSDP); stage s's
-        (dp 0, tp 0) rank sends its tensors to rank 0 flattened (one message per dtype) over the
-        pool's world group. Parameters (and gradients) travel in the state's dtype (`state_meta`),
-        buffers in their own."""
+    def gather_one(self, i: int, local: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The full (unsharded) tensor `state_meta[i]` on rank 0, None elsewhere; `local` None = the
+        state (`state_tensors`: the master where there is one). Collective over the ranks that hold
+        a part of it: its stage's ranks all-gather the DTensor over the dims it is split on (tp, dp
+        with FSDP); a later stage's (dp 0, tp 0) rank sends it to rank 0 over the pool's world group.
+        Every rank calls it with the same `i`s in the same order (a rank that holds no part returns
+        at once), which pairs the collectives up."""
         from torch.distributed.tensor import DTensor
 
         L = self.layout
+        name, shape, dtype, stage = self.state_meta[i]
+        if stage != L.pp_rank and L.rank != 0:
+            return None
+        full = None
+        if stage == L.pp_rank:
+            local = self.state_tensors() if local is None else local
+            t = local[name].detach()
+            if isinstance(t, DTensor) and t.to_local().device != self.device:  # offloaded shard: gather on device
+                t = DTensor.from_local(t.to_local().to(self.device), t.device_mesh, t.placements,
+                                       run_check=False, shape=t.shape, stride=t.stride())
+            full = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
+            del t
+        if stage == 0:
+            return full if L.rank == 0 else None
+        if L.rank == 0:  # a later stage's tensor: from that stage's sending rank
+            full = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(full, src=L.stage_rank(stage), group=L.world_group)
+            return full
+        if L.rank == L.stage_rank(stage):
+            assert full is not None
+            dist.send(full, dst=0, group=L.world_group)
+        return None
+
+    def gather_full(self, local: dict[str, torch.Tensor] | None = None, *, params_only: bool = False
+                    ) -> list[tuple[str, torch.Tensor]]:
+        """Every full tensor on rank 0 ([] elsewhere), `full_meta` order; `local` None = the state,
+        else e.g. the gradients (with `params_only`: no buffers). Holds the whole model on rank 0:
+        for tests and small models; pushes, exports and checkpoints stream `weights()`. Collective."""
         local = self.state_tensors() if local is None else local
-        full_local = {}
-        # Only rank 0 and each later stage's sending rank keep what they gathered; the others take
-        # part in the all-gathers and drop each full tensor at once.
-        keep = L.rank == 0 or L.rank == L.stage_rank(L.pp_rank)
-        for name, _, _, stage in self.full_meta:  # same order on every rank of the stage: the all-gathers pair up
-            if stage == L.pp_rank and name in local:
-                t = local[name].detach()
-                if isinstance(t, DTensor) and t.to_local().device != self.device:  # offloaded shard: gather on device
-                    t = DTensor.from_local(t.to_local().to(self.device), t.device_mesh, t.placements,
-                                           run_check=False, shape=t.shape, stride=t.stride())
-                full = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
-                if keep:
-                    full_local[name] = full
-                del full
-        if L.pp > 1:
-            for s in range(1, L.pp):
-                metas = [m for m in self.state_meta if m[3] == s]
-                for dt in sorted({m[2] for m in metas}, key=str):
-                    part = [m for m in metas if m[2] == dt]
-                    if L.rank == 0:
-                        flat = torch.empty(sum(math.prod(m[1]) for m in part), dtype=dt, device=device)
-                        dist.recv(flat, src=L.stage_rank(s), group=L.world_group)
-                        off = 0
-                        for name, shape, _, _ in part:
-                            k = math.prod(shape)
-                            full_local[name] = flat[off:off + k].view(shape)
-                            off += k
-                    elif L.rank == L.stage_rank(s):
-                        flat = torch.cat([full_local[m[0]].reshape(-1) for m in part])
-                        dist.send(flat, dst=0, group=L.world_group)
-        if L.rank != 0:
-            return []
-        return [(name, full_local[name]) for name, *_ in self.full_meta if name in full_local]
+        out = []
+        for i, (name, *_) in enumerate(self.state_meta):
+            if params_only and name not in self.param_names:
+                continue
+            t = self.gather_one(i, local)
+            if t is not None:
+                out.append((name, t))
+        return out
+
+    def needs_gather(self) -> bool:
+        """Whether rank 0 lacks part of the model (pipeline stages, TP or FSDP shards): the same on every rank."""
+        from torch.distributed.tensor import DTensor
+
+        return self.layout.pp > 1 or any(isinstance(t, DTensor) for _, t in self.local)
+
+    def weights(self, announce: Callable[[str], None] | None = None) -> GatheredWeights:
+        """A `WeightSource` of the full state (`weights.source`): what a push or an export reads."""
+        return GatheredWeights(self, announce)
 
     def load_full(self, full: dict[str, torch.Tensor], where: str) -> None:
         """Copy full (unsharded) tensors into this rank's shard of every local tensor."""
@@ -370,3 +384,38 @@ class ShardedModel:
                                                    shape=p.shape, stride=p.stride())
         if self.optimizer_offload:
             self._optimizer_state_to(torch.device("cpu"))
+
+
+class GatheredWeights:
+    """A `weights.source.WeightSource` over a `ShardedModel`'s full state, gathered tensor by tensor.
+
+    Two ways to read it. Collective (`announce` None): every rank iterates the same `open(indices)`
+    (an HF export, a checkpoint); rank 0 gets the tensors, the others None. Led (`announce` set, a
+    push): only rank 0 iterates; before each bucket's gathers it announces the bucket to the
+    followers (`ParallelLayout.leader_command`), which run `serve` on it from their `leader_ready`
+    wait. Either way rank 0 holds one full tensor at a time beyond its shard."""
+
+    def __init__(self, model: ShardedModel, announce: Callable[[str], None] | None = None) -> None:
+        self.model = model
+        self.announce = announce
+        self.meta = [(n, shape, dt) for n, shape, dt, _ in model.state_meta]
+        self.device = model.device
+        self.gathers = model.needs_gather()
+
+    def open(self, indices: Sequence[int]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        m = self.model
+        if self.gathers and self.announce is not None:
+            self.announce(f"gather {m.role} {','.join(map(str, indices))}")
+        if m.device.type == "cuda":
+            torch.cuda.set_device(m.device)  # a push fills its buckets on a worker thread
+        local = m.state_tensors()
+        for i in indices:
+            yield self.meta[i][0], m.gather_one(i, local)
+
+    def serve(self, indices: Sequence[int]) -> None:
+        """A follower's part of rank 0's `open(indices)` in a led read."""
+        if self.model.device.type == "cuda":
+            torch.cuda.set_device(self.model.device)
+        local = self.model.state_tensors()
+        for i in indices:
+            self.model.gather_one(i, local)
