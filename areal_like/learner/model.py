@@ -1,14 +1,18 @@
 """Building the learner's models — actor, critic, reference — in torchtitan's order:
 
-    load         the HF checkpoint (`model.path`, `critic.path`, `ref.path`), in the dtype the
+    load         the HF architecture of `model.path` (`critic.path`, `ref.path`) from its config,
+                 parameters on the meta device (no memory; buffers real), in the dtype the
                  parameters are *stored* in: the master dtype when FSDP shards a trainable model
-                 (its shards are the master), the compute dtype otherwise. Under FSDP into host
-                 memory (each rank: the whole model once), moved to the device unit by unit as it
-                 is sharded; otherwise straight onto the device
+                 (its shards are the master), the compute dtype otherwise
     convert      model-to-model rewrites before any parallelism: the critic's value head
-                 (`value_head`); the seam where adapters (LoRA) go
+                 (`value_head`); the seam where adapters (LoRA) go. A converter's new tensors
+                 are listed in `FRESH_ATTR` with their init (the value head: zeros)
     parallelize  pipeline split → tensor parallel → activation checkpointing → data parallel
-                 (parallelize.py, in that order)
+                 (parallelize.py, in that order), still on meta
+    materialize  this rank's part only: storage for its stage's shards on the device (host with
+                 parameter offload), filled from the checkpoint's safetensors read tensor by
+                 tensor — no rank ever holds the whole model, only its shards plus the tensor
+                 being read
     wrap         a `ShardedModel` (parallel/sharded_model.py): parameters, optimizer state,
                  gradient reduction, clipping, state dicts, the tensors a push reads
 
@@ -21,6 +25,7 @@ What this module does not do: no RL, no data, no process-group init (the layout 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -38,15 +43,20 @@ ROLES = ("actor", "critic", "reference")
 Converter = Callable[[nn.Module], nn.Module]
 
 
+FRESH_ATTR = "_areal_fresh_params"  # {HF name: init(local tensor)} of tensors a converter added
+
+
 def value_head(hf_model: nn.Module) -> nn.Module:
     """Convert step of the critic: the same architecture with `lm_head` replaced by a
     zero-initialised (hidden → 1) value head, so V starts at 0 everywhere and every parallel
     strategy applies unchanged."""
     w = hf_model.get_input_embeddings().weight
     head = nn.Linear(hf_model.config.hidden_size, 1, bias=False).to(device=w.device, dtype=w.dtype)
-    nn.init.zeros_(head.weight)
     hf_model.lm_head = head
     hf_model.config.tie_word_embeddings = False  # the value head is its own tensor
+    fresh = dict(getattr(hf_model, FRESH_ATTR, {}))
+    fresh["lm_head.weight"] = nn.init.zeros_  # not read from the LM checkpoint: its lm_head is [vocab, hidden]
+    setattr(hf_model, FRESH_ATTR, fresh)
     return hf_model
 
 
@@ -57,14 +67,57 @@ def effective_dp_sharding(requested: str, layout: ParallelLayout) -> str:
     return requested if layout.distributed and layout.dp > 1 else "none"
 
 
-def load_hf(path: str, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Step 1: the HF causal LM at `path`, in `dtype`, on `device`, eval mode (no dropout: train the
-    sampled policy itself)."""
-    from transformers import AutoModelForCausalLM
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside goes to the meta device (no storage); buffers stay real —
+    the non-persistent ones (rotary inv_freq) are computed at construction and not in checkpoints."""
+    register = nn.Module.register_parameter
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def load_hf(path: str, *, dtype: torch.dtype) -> nn.Module:
+    """Step 1: the HF causal LM architecture of `path` (its config.json), parameters on the meta
+    device in `dtype`, eval mode (no dropout: train the sampled policy itself). `materialize` fills it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with _parameters_on_meta():
+        m = AutoModelForCausalLM.from_config(config, dtype=dtype)
     m.eval()
     return m
+
+
+def materialize(stage: nn.Module, path: str, where: str, *, device: torch.device, tied: bool,
+                fresh: dict) -> None:
+    """Step 4: storage for this rank's parameters (its shards: `to_empty`, which FSDP2 supports on a
+    sharded module) and their values from the safetensors files at `path`, read one tensor at a time
+    on the host; buffers keep the values they were built with."""
+    from areal_like.learner.parallel.sharded_model import load_full_into
+    from areal_like.weights.disk import SafetensorsDir
+
+    try:
+        weights = SafetensorsDir(path, "model")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{where}: {e}. The learner reads safetensors weights (one tensor at a time): "
+                                "re-save the model with save_pretrained(..., safe_serialization=True)") from e
+    buffers = {n: b.detach().clone() for n, b in stage.named_buffers()}
+    stage.to_empty(device=device)
+    with torch.no_grad():
+        for n, b in stage.named_buffers():
+            b.copy_(buffers[n])
+    local = [(n.removeprefix("hf."), p) for n, p in stage.named_parameters()]
+    local += [(n.removeprefix("hf."), b) for n, b in stage.named_buffers() if n.removeprefix("hf.") in weights]
+    load_full_into(local, weights, where, tied=tied, fresh=fresh)
 
 
 def build_model(path: str, role: str, layout: ParallelLayout, *, train_cfg, compute_dtype: torch.dtype,
@@ -81,17 +134,20 @@ def build_model(path: str, role: str, layout: ParallelLayout, *, train_cfg, comp
     trainable = role != "reference"
     fsdp = dp_sharding != "none"
     stored = master_dtype if fsdp and trainable else compute_dtype
-    # FSDP: into host memory; each unit's parameters move to the device as `fully_shard` shards them
-    # (one layer at a time), so the device never holds the whole unsharded model.
-    hf = load_hf(path, dtype=stored, device=torch.device("cpu") if fsdp or param_offload else device)  # 1. load
+    hf = load_hf(path, dtype=stored)  # 1. load (the architecture, parameters on meta)
     for convert in converters:  # 2. convert
         hf = convert(hf)
     meta = full_meta_of(hf, layout.pp)
     param_names = {n for n, _ in hf.named_parameters()}
+    tied = bool(getattr(hf.config, "tie_word_embeddings", False))
+    fresh = getattr(hf, FRESH_ATTR, {})
     stage = parallelize_model(hf, layout, checkpoint_layers=checkpoint_layers and trainable,  # 3. parallelize
                               dp_sharding=dp_sharding, compute_dtype=compute_dtype,
                               reduce_dtype=master_dtype if trainable else compute_dtype, offload=param_offload)
-    return ShardedModel(stage, meta, param_names, layout, trainable=trainable,  # 4. wrap
+    # 4. materialize this rank's shards (FSDP's CPU offload keeps them in host memory)
+    materialize(stage, path, f"{role} model {path!r}", device=torch.device("cpu") if param_offload else device,
+                tied=tied, fresh=fresh)
+    return ShardedModel(stage, meta, param_names, layout, trainable=trainable,  # 5. wrap
                         out_dim=1 if role == "critic" else None, train_cfg=train_cfg, compute_dtype=compute_dtype,
                         master_dtype=master_dtype, dp_sharding=dp_sharding, role=role, device=device,
                         param_offload=param_offload, optimizer_offload=optimizer_offload and trainable)

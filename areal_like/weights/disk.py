@@ -50,39 +50,62 @@ def index_file(prefix: str = "model") -> str:
     return f"{prefix}.safetensors.index.json"
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """(header, offset of the data) of a safetensors file: 8 bytes little-endian header size, the JSON header."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 class SafetensorsDir:
-    """The tensors `write_safetensors_shards` wrote under `prefix` in `path`, read lazily by name
-    (`name in d`, `d[name]` on the host): one tensor in memory at a time, whatever the model's size."""
+    """The tensors `write_safetensors_shards` (or `save_pretrained`) wrote under `prefix` in `path`,
+    read lazily by name (`name in d`, `d[name]`, on the host): one tensor in memory at a time,
+    whatever the model's size. Each tensor is read with plain file reads into its own storage — no
+    memory map, so a reader's resident memory is the tensors it holds, not the files it read."""
 
     def __init__(self, path: str, prefix: str = "model") -> None:
-        from safetensors import safe_open
-
         index = os.path.join(path, index_file(prefix))
         if os.path.isfile(index):
             with open(index) as f:
-                self._file_of = dict(json.load(f)["weight_map"])
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(path, f"{prefix}.safetensors")):
+            files = [f"{prefix}.safetensors"]
         else:
-            single = os.path.join(path, f"{prefix}.safetensors")
-            if not os.path.isfile(single):
-                raise FileNotFoundError(f"{path} has neither {prefix}.safetensors nor {index_file(prefix)}")
-            with safe_open(single, "pt") as f:
-                self._file_of = {k: f"{prefix}.safetensors" for k in f.keys()}
-        self._path = path
-        self._open: dict[str, Any] = {}
+            raise FileNotFoundError(f"{path} has neither {prefix}.safetensors nor {index_file(prefix)}")
+        self._where: dict[str, tuple[str, dict, int]] = {}  # name → (file, its header entry, data offset)
+        for fname in files:
+            full = os.path.join(path, fname)
+            header, data = _safetensors_header(full)
+            for name, entry in header.items():
+                self._where[name] = (full, entry, data)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._file_of
+        return name in self._where
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        fname = self._file_of[name]
-        if fname not in self._open:
-            self._open[fname] = safe_open(os.path.join(self._path, fname), "pt", device="cpu")
-        return self._open[fname].get_tensor(name)
+        full, entry, data = self._where[name]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{full}: tensor {name!r} has dtype {entry['dtype']}, which this reader does not know")
+        begin, end = entry["data_offsets"]
+        t = torch.empty(entry["shape"], dtype=dtype)
+        if end > begin:
+            with open(full, "rb") as f:
+                f.seek(data + begin)
+                buf = t.view(-1).view(torch.uint8).numpy()
+                if f.readinto(memoryview(buf)) != end - begin:
+                    raise ValueError(f"{full}: tensor {name!r} is cut short (the file is truncated)")
+        return t
 
     def keys(self) -> list[str]:
-        return list(self._file_of)
+        return list(self._where)
 
 
 def write_safetensors_shards(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str, *,

@@ -30,7 +30,7 @@ push order (what `save_pretrained` writes), whatever the layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,40 @@ def _sharded_dims(t: torch.Tensor) -> str:
     names = t.device_mesh.mesh_dim_names or ()
     # FSDP's dp split of a TP shard is a _StridedShard, which is not `is_shard()`
     return "+".join(sorted(n for n, pl in zip(names, t.placements) if pl.is_shard() or isinstance(pl, _StridedShard)))
+
+
+def load_full_into(local: list[tuple[str, torch.Tensor]], full: Mapping[str, torch.Tensor], where: str, *,
+                   tied: bool, masters: Mapping[str, torch.Tensor] | None = None,
+                   fresh: Mapping[str, Callable[[torch.Tensor], Any]] | None = None) -> None:
+    """Copy each full tensor `full[name]` (a dict, or a lazily read `SafetensorsDir`: one tensor in
+    memory at a time) into this rank's part of the local tensor of that name — a DTensor's shard
+    (TP, FSDP), a plain tensor whole — and into its master copy if it has one. Names in `fresh` are
+    not read: their init function runs on the local tensor instead (a converter's new tensor, e.g.
+    the critic's zero value head). A tied `lm_head.weight` loads through the embedding."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    masters = masters or {}
+    fresh = fresh or {}
+    with torch.no_grad():
+        for name, t in local:
+            if name in fresh:
+                fresh[name](local_tensor(t))
+                continue
+            if name not in full:
+                if tied and name == "lm_head.weight":
+                    continue  # tied to model.embed_tokens.weight, loaded through it
+                raise KeyError(f"{where} lacks {name}")
+            src = full[name]
+            for dst in (t, masters.get(name)):  # the master from the file, not from t
+                if dst is None:
+                    continue
+                if isinstance(dst, DTensor):
+                    shard = distribute_tensor(src.to(dst.dtype), dst.device_mesh, dst.placements, src_data_rank=None)
+                    dst.to_local().copy_(shard.to_local())
+                    del shard
+                else:
+                    dst.copy_(src)
+            del src
 
 
 class ShardedModel:
@@ -314,25 +348,9 @@ class ShardedModel:
         """A `WeightSource` of the full state (`weights.source`): what a push or an export reads."""
         return GatheredWeights(self, announce)
 
-    def load_full(self, full: dict[str, torch.Tensor], where: str) -> None:
-        """Copy full (unsharded) tensors into this rank's shard of every local tensor."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        with torch.no_grad():
-            for name, t in self.local:
-                if name not in full:
-                    if self.tied and name == "lm_head.weight":
-                        continue  # tied to model.embed_tokens.weight, loaded through it
-                    raise KeyError(f"{where} lacks {name}")
-                for dst in (t, self.master_by_name.get(name)):  # the master from the file, not from t
-                    if dst is None:
-                        continue
-                    if isinstance(dst, DTensor):
-                        shard = distribute_tensor(full[name].to(dst.dtype), dst.device_mesh, dst.placements,
-                                                  src_data_rank=None)
-                        dst.to_local().copy_(shard.to_local())
-                    else:
-                        dst.copy_(full[name])
+    def load_full(self, full: Mapping[str, torch.Tensor], where: str) -> None:
+        """Copy full (unsharded) tensors into this rank's shard of every local tensor (and the master)."""
+        load_full_into(self.local, full, where, tied=self.tied, masters=self.master_by_name)
 
     # ---- optimizer state by name (sharded checkpoints: torch.distributed.checkpoint) ------------------
     _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")

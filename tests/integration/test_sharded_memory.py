@@ -1,6 +1,13 @@
-"""A weight push from a sharded learner holds one bucket beyond its shard, not the model (issue 25).
+"""No rank of a sharded learner holds the whole model: not while building it, not while pushing it (issue 25).
 
-Two learner ranks (gloo, `train.dp_sharding=full`: every parameter is a dp-sharded DTensor) hold a
+Building: each of two ranks (`train.dp_sharding=full`, d2) builds the actor of a ~90 MB fp32 model;
+its resident growth over the build must stay within its half of the model plus the largest tensor
+(read from the safetensors file one at a time) plus ALLOWANCE_MIB — where loading the model whole
+first (what it did before) costs the whole model on every rank. A small model of the same
+architecture is built first: what a first build loads once (modules, DTensor's sharding caches,
+~12 MiB) does not grow with the model.
+
+Pushing: two learner ranks (gloo, `train.dp_sharding=full`: every parameter is a dp-sharded DTensor) hold a
 ~90 MB fp32 Qwen2-shaped model; rank 0 pushes it to a real embedded server over the weight group
 in 4 MiB buckets, the other rank joining each bucket's all-gathers from its `leader_ready` wait, as
 the learner's main loop does. Rank 0 measures its own resident memory from outside the allocator:
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import json
 import os
 
@@ -48,8 +56,8 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, server_url: str, weight_port: int,
-               out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, model_dir: str, small_dir: str, server_url: str,
+               weight_port: int, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -62,7 +70,15 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, server_url: str
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
+        # What a first build loads once — modules, DTensor's sharding caches — is not model memory:
+        # a build of a small model of the same architecture first, then the measured one.
+        Trainer(small_dir, TrainConfig(dp_sharding="full", collective_timeout_s=120), "d2", temperature=1.0)
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        rss0 = _status_kib("VmRSS")
         ln = Trainer(model_dir, TrainConfig(dp_sharding="full", collective_timeout_s=120), "d2", temperature=1.0)
+        build_bytes = (_status_kib("VmHWM") - rss0) * 1024
         with torch.no_grad():
             for _, p in ln.actor.local:
                 local_tensor(p).mul_(2.0)  # what the server must hold afterwards
@@ -86,6 +102,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, server_url: str
             res["model_bytes"] = sum(torch.Size(s).numel() * dt.itemsize for _, s, dt in weights.meta)
             with open(out, "w") as f:
                 json.dump(res, f)
+        with open(f"{out}.build{rank}", "w") as f:
+            json.dump({"build_bytes": build_bytes}, f)
         ln.layout.leader_ready("finish the weight push")  # the other rank serves the push's gathers here
     finally:
         dist.destroy_process_group()
@@ -106,13 +124,15 @@ async def _weights_row(url: str, name: str) -> torch.Tensor:
             return torch.tensor(await r.json(), dtype=torch.float32)
 
 
-def test_sharded_push_holds_one_bucket_not_the_model(model_dir, engine_servers, tmp_path, monkeypatch):
+def test_sharded_learner_builds_and_pushes_without_holding_the_model(model_dir, engine_servers, tmp_path,
+                                                                    monkeypatch):
     from safetensors.torch import load_file
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))  # the ranks' glibc (see the module docstring)
     server = engine_servers(model_dir, 1, "--admin-api-key", ADMIN, "--dtype", "float32")[0]
     out = str(tmp_path / "push.json")
-    mp.spawn(_rank_main, args=(2, free_port(), model_dir, server.url, free_port(), out), nprocs=2, join=True)
+    small = build_tiny_model(str(tmp_path / "small"), hidden_size=32, intermediate_size=64, num_layers=2)
+    mp.spawn(_rank_main, args=(2, free_port(), model_dir, small, server.url, free_port(), out), nprocs=2, join=True)
     with open(out) as f:
         res = json.load(f)
     assert res["buckets"] >= 10 and res["bytes"] == res["model_bytes"], res
@@ -123,6 +143,13 @@ def test_sharded_push_holds_one_bucket_not_the_model(model_dir, engine_servers, 
         f"rank 0 grew by {res['extra_bytes'] / 2**20:.1f} MiB during the push: more than one bucket "
         f"({BUCKET / 2**20:.0f} MiB) + the largest tensor ({res['largest_bytes'] / 2**20:.1f} MiB) + "
         f"{ALLOWANCE_MIB} MiB (the model is {res['model_bytes'] / 2**20:.0f} MiB)")
+    for rank in range(2):
+        with open(f"{out}.build{rank}") as f:
+            build = json.load(f)["build_bytes"]
+        print(f"build: rank {rank} grew by {build / 2**20:.1f} MiB")
+        limit = res["model_bytes"] // 2 + res["largest_bytes"] + (ALLOWANCE_MIB << 20)
+        assert build <= limit, (f"rank {rank} grew by {build / 2**20:.1f} MiB building a {res['model_bytes'] / 2**20:.0f} "
+                                f"MiB model at d2: more than its half + the largest tensor + {ALLOWANCE_MIB} MiB")
     initial = load_file(os.path.join(model_dir, "model.safetensors"))
     for name in ("model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
         got = asyncio.run(_weights_row(server.url, name))
