@@ -466,7 +466,9 @@ class WeightSyncConfig(_Section):
     broadcast, NCCL/gloo) or `disk` (learner rank 0 writes an HF safetensors dir under
     `<run dir>/weights_disk/`, the servers load it with /update_weights_from_disk)."""
     bucket_mb: float = 512.0
-    """Bucket size of the distributed push, in MiB (tensors are broadcast in buckets of at most this)."""
+    """Bucket size of the push, in MiB: `distributed` broadcasts tensors in buckets of at most this,
+    `disk` writes safetensors files of at most this. What the sending learner rank holds beyond its
+    shard during a push: one bucket plus the tensor being gathered."""
     timeout_s: float = 120.0
     """Seconds one weight-sync step (group set-up, one bucket, one disk load) may take; then it fails
     naming the server."""

@@ -472,11 +472,9 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         elif ckpt.should_save(step) or step == cfg.train.total_steps:
             checkpoint_and_commit()
 
-    # The others serve rank 0's last push from here (its gathers) before they may leave.
-    trainer.layout.leader_ready("finish the last weight push")
-    # The others serve rank 0's last push from here (its gathers) before they may leave.
-    trainer.layout.leader_ready("finish the last weight push")
     await coord.collect_eval(stopping, trained_since_push=False)  # the last validation, if one is running (none when stopping)
+    # The others serve rank 0's last push from here (its gathers), and a re-sync during that validation.
+    trainer.layout.leader_ready("finish the last weight push and validation")
     if stopped and ckpt.save_freq > 0 and step > last_saved:
         checkpoint_and_commit()
     await coord.close(stopped, step, version, saved=stopped and ckpt.save_freq > 0)

@@ -17,8 +17,9 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
 
     distributed: bucketed broadcast in a group rank 0 forms on `weight_port`; a fresh group name per
     incarnation (a learner that died mid-push leaves its group behind on the servers).
-    disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept), configs and
-    tokenizer files copied from `model_path`; `weight_port` and `incarnation` are unused.
+    disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept; safetensors files of
+    at most `weights.bucket_mb`), configs and tokenizer files copied from `model_path`; `weight_port`
+    and `incarnation` are unused.
     Both cast floating-point tensors to the servers' dtype (`server.dtype`)."""
     mode = cfg.weights.mode
     if mode not in ("distributed", "disk"):
@@ -29,7 +30,7 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     if mode == "disk":
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
-                                dtype=dtype)
+                                dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20))
     if mode == "distributed":
         devices = endpoints.server_devices
         if devices is not None:  # per server: a device count, or its device list (count = its length)

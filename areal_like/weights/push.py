@@ -280,6 +280,10 @@ class WeightPusher(ServerAdmin):
         # (requests sent meanwhile wait in SGLang's tokenizer, not in the scheduler).
         await self._all("/flush_cache", {})
         await self._all("/continue_generation", {})
+        if device.type == "cuda":
+            # On a GPU the bucket buffers go back to the caching allocator between pushes (training reuses
+            # the blocks; a new one costs no page faults there). On the host they stay: see _FlatBuffers.
+            self._flat = _FlatBuffers()
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total_bytes,

@@ -2,7 +2,8 @@
 
 After a push the server reports the pushed version and its logprobs equal a local recomputation
 with the pushed weights; only the newest two version dirs stay; a checkpoint the server cannot load
-leaves it serving its previous weights (not paused) and the error names the server."""
+leaves it serving its previous weights (not paused) and the error names the server. The pushes
+write several safetensors shards with an index, as a real model's are written."""
 
 import json
 import os
@@ -56,8 +57,9 @@ async def sample(url, prompt, n=16):
 async def test_disk_push_lands_and_keeps_two_dirs(server, base_model, tiny_model_dir, tmp_path):
     prompt = [4, 8, 15, 16]
     out_dir = tmp_path / "weights_disk"
+    # files of at most 64 kB: the tiny model is written (and loaded) as several shards + index, as a real one
     async with DiskWeightPusher([server.url], out_dir=str(out_dir), model_path=tiny_model_dir, timeout_s=60,
-                                admin_api_key=ADMIN) as pusher:
+                                admin_api_key=ADMIN, shard_bytes=64_000) as pusher:
         for version in (1, 2, 3):
             new = perturbed(base_model, seed=100 + version)
             named = list(new.state_dict().items())  # tied embeddings share storage: the writer copes
@@ -72,7 +74,8 @@ async def test_disk_push_lands_and_keeps_two_dirs(server, base_model, tiny_model
         # a complete HF dir: config and tokenizer files next to the weights; only the newest two kept
         assert sorted(os.listdir(out_dir)) == ["v00000002", "v00000003"]
         files = set(os.listdir(out_dir / "v00000003"))
-        assert {"config.json", "model.safetensors"} <= files
+        assert {"config.json", "model.safetensors.index.json"} <= files, files
+        assert len([f for f in files if f.startswith("model-") and f.endswith(".safetensors")]) > 1, files
         assert any(f.startswith("tokenizer") for f in files), files
         assert json.loads((out_dir / "v00000003" / "config.json").read_text()) == \
             json.loads(open(os.path.join(tiny_model_dir, "config.json")).read())
@@ -98,6 +101,7 @@ def test_factory_picks_the_pusher_by_mode(tmp_path):
     d = make_weight_pusher(cfg, ep, model_path="m", run_dir=str(tmp_path), weight_port=1234, incarnation=3)
     assert isinstance(d, DiskWeightPusher)
     assert d.out_dir == str(tmp_path / "weights_disk") and d.model_path == "m"
+    assert d.shard_bytes == int(cfg.weights.bucket_mb * 2**20)  # weights.bucket_mb sizes its files too
     with pytest.raises(ValueError, match="weights.mode"):
         make_weight_pusher(SimpleNamespace(weights=SimpleNamespace(mode="nfs")), ep, model_path="m",
                            run_dir=str(tmp_path), weight_port=1, incarnation=0)
