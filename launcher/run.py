@@ -1,7 +1,9 @@
 """`launcher run|status|stop`, local backend: start every role of a run, supervise it, end it cleanly.
 
-Start order (DESIGN.md): Redis → generation servers (wait for /health) → learner (rank 0 forms the
-weight-sync group with the servers) → rollout workers → supervision. The launcher owns no training
+Start order (DESIGN.md): Redis → generation servers, and while they load the learner pool (it
+builds its models and resumes meanwhile) and the rollout workers → wait for the servers' /health →
+endpoints.json (learner rank 0 and the workers wait for it; rank 0 then forms the weight-sync group
+with the servers, the workers start generating) → supervision. The launcher owns no training
 logic: it only places processes, watches them and reports progress.
 
     launcher ──┬─ redis-server            (AOF, 127.0.0.1, password; unless buffer.redis_url is set)
@@ -29,6 +31,7 @@ import signal
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 from areal_like.api.run_files import Endpoints
 from launcher.procs import ProcessTable, Role, end_process_group, role_kind
@@ -412,7 +415,7 @@ class Run:
             env[BIND_HOST_ENV] = self.procs.host(name)
         return env
 
-    def _start_sglang_servers(self, env) -> list[str]:
+    def _start_sglang_servers(self, env, while_loading: Callable[[], None]) -> list[str]:
         """Real SGLang, one server per generation DP replica, on the GPUs the plan gives it."""
         from areal_like.engine.sglang_args import SGLangNotInstalled, build_sglang_servers, sglang_server_flags
 
@@ -454,17 +457,20 @@ class Run:
             name = f"server{srv.index}"
             proc.write_secrets()
             roles.append(self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)}))
+        self._server_devices = [srv.devices for srv in servers]
+        self._learner_device = "cuda:0"  # each rank's CUDA_VISIBLE_DEVICES holds its plan device alone
+        while_loading()
         for srv, role in zip(servers, roles):
             # Model load and CUDA-graph capture take minutes on real models.
             _wait_health(srv.url, max(cfg.server.health_timeout_s, 900.0), role, f"sglang server {srv.index}")
-        self._server_devices = [srv.devices for srv in servers]
-        self._learner_device = "cuda:0"  # each rank's CUDA_VISIBLE_DEVICES holds its plan device alone
         return [srv.url for srv in servers]
 
-    def _start_servers(self, env) -> list[str]:
+    def _start_servers(self, env, while_loading: Callable[[], None]) -> list[str]:
+        """Start the generation servers, call `while_loading` once their processes run (the learner pool
+        starts then: its model load overlaps theirs), wait until every one is healthy; their URLs."""
         cfg = self.cfg
         if self.alloc.generation.backend == "sglang":
-            return self._start_sglang_servers(env)
+            return self._start_sglang_servers(env, while_loading)
         urls, roles = [], []
         cuda = cfg.server.device.startswith("cuda")
         for i in range(self.n_servers):
@@ -493,6 +499,7 @@ class Run:
             urls.append(f"http://{host}:{port}")
         if cuda:
             self._learner_device = "cuda:0"  # the learner trains on its own plan devices too
+        while_loading()
         for i, (url, role) in enumerate(zip(urls, roles)):
             _wait_health(url, cfg.server.health_timeout_s, role, f"generation server {i}")
         print(f"[launcher] {len(urls)} generation server(s) healthy: {' '.join(urls)}", flush=True)
@@ -500,6 +507,7 @@ class Run:
 
     def execute(self) -> int:
         t0 = self._t0 = time.monotonic()
+        self._launch = secrets.token_hex(8)  # endpoints.json names it: the learner waits for this launch's file
         rc = 1
         self._rows_before = len(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))  # a resumed run appends
         self._trained_log_before = _file_size(os.path.join(self.run_dir, "trained.jsonl"))  # see _learner_started
@@ -524,12 +532,27 @@ class Run:
                 f.write(encode_config(self.cfg))
             redis_url = self._redis_url = self._start_redis()
             env = self._child_env(redis_url)
-            urls = self._server_urls = self._start_servers(self._server_env(env))  # no Redis secret
             sglang = self.alloc.generation.backend == "sglang"
             # metrics.prometheus=false: no role gets a metrics port (none serves /metrics).
             prom = self.cfg.metrics.prometheus
             learner_metrics = self.procs.free_port("learner") if prom else None
             rollout_ports = [self.procs.free_port(f"rollout{k}") if prom else None for k in range(self.cfg.rollout.workers)]
+            self._learner_env = env
+            self._learner_metrics_port = learner_metrics
+
+            def while_loading() -> None:
+                # The learner pool and the rollout workers start while the servers load: the pool builds
+                # its models and resumes, the workers import and read their data; learner rank 0 and the
+                # workers then wait for endpoints.json, written once every server is healthy.
+                self._start_learners(incarnation=0)
+                for k in range(self.cfg.rollout.workers):
+                    port_arg = ["--metrics-port", str(rollout_ports[k])] if rollout_ports[k] else []
+                    self.procs.start(f"rollout{k}", [sys.executable, "-m", "areal_like.rollout.worker", "--run-dir",
+                                                     self.run_dir, "--index", str(k), "--launch", self._launch,
+                                                     *port_arg], {**env, **self._role_env(f"rollout{k}")})
+
+            urls = self._server_urls = self._start_servers(self._server_env(env),  # no Redis secret
+                                                           while_loading=while_loading)
             endpoints = Endpoints(
                 servers=urls,
                 metrics_ports={"learner": learner_metrics, **{f"rollout{k}": p for k, p in enumerate(rollout_ports)}}
@@ -537,17 +560,9 @@ class Run:
                 # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
                 weight_backend="nccl" if sglang else "gloo",
                 server_devices=self._server_devices, learner_device=self._learner_device,
-                learner_host=self.procs.host("learner"))
+                learner_host=self.procs.host("learner"), launch=self._launch)
             endpoints.dump(self.run_dir)
             self._write_prometheus_targets(urls, endpoints.metrics_ports)
-            common = ["--run-dir", self.run_dir]
-            self._learner_env = env
-            self._learner_metrics_port = learner_metrics
-            self._start_learners(incarnation=0)
-            for k in range(self.cfg.rollout.workers):
-                port_arg = ["--metrics-port", str(rollout_ports[k])] if rollout_ports[k] else []
-                self.procs.start(f"rollout{k}", [sys.executable, "-m", "areal_like.rollout.worker", *common,
-                                                 "--index", str(k), *port_arg], {**env, **self._role_env(f"rollout{k}")})
             rc = self._supervise(t0)
         except RunError as e:
             print(f"launcher run: {e}", file=sys.stderr, flush=True)
@@ -621,7 +636,8 @@ class Run:
         for rank in range(world):
             name = _learner_role(rank)
             argv = [sys.executable, "-m", "areal_like.learner.main", "--run-dir", self.run_dir,
-                    "--incarnation", str(incarnation), "--weight-sync-port", str(weight_port)]
+                    "--incarnation", str(incarnation), "--weight-sync-port", str(weight_port),
+                    "--device", self._learner_device, "--launch", self._launch]
             if rank == 0 and self._learner_metrics_port:
                 argv += ["--metrics-port", str(self._learner_metrics_port)]
             node = self.procs.placement(name).get("node", 0)

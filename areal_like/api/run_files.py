@@ -1,7 +1,9 @@
 """What crosses a process boundary as a file of the run directory, as typed records.
 
-    endpoints.json   `Endpoints`   written by the launcher before any role starts; read by the
-                                   learner (servers to push to, its device) and rollout workers
+    endpoints.json   `Endpoints`   written by the launcher once every server is healthy, before the
+                                   rollout workers start; read by learner rank 0 (servers to push to:
+                                   the pool started while the servers loaded and waits for the file
+                                   of its launch) and rollout workers
     metrics.jsonl    `StepMetrics` one line per learner step, appended by learner rank 0; read by
                                    the launcher (progress line, summary.json) and by users
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import msgspec
 
@@ -34,12 +37,32 @@ class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device from the plan, so this is `cuda:0` for all of them."""
     learner_host: str = "127.0.0.1"
     """Address of learner rank 0's node: it hosts the weight-update group's store there."""
+    launch: str = ""
+    """Which `launcher run` wrote it (a token it also gives the learner): a learner started while the
+    servers load waits for the file of its own launch, not the one a previous launch left in the run dir."""
 
     def dump(self, run_dir: str) -> None:
         tmp = os.path.join(run_dir, ENDPOINTS_FILE + ".tmp")
         with open(tmp, "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(self), indent=1))
         os.replace(tmp, os.path.join(run_dir, ENDPOINTS_FILE))
+
+    @classmethod
+    def wait(cls, run_dir: str, launch: str, timeout_s: float) -> "Endpoints":
+        """The endpoints of launch `launch`, once the launcher wrote them (after every server is healthy)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ep = cls.load(run_dir)
+                if ep.launch == launch:
+                    return ep
+            except (FileNotFoundError, msgspec.DecodeError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{os.path.join(run_dir, ENDPOINTS_FILE)} of launch {launch} did not appear within "
+                                   f"{timeout_s:.0f} s: the launcher writes it once every generation server is "
+                                   "healthy (see the launcher's output and logs/server*.log)")
+            time.sleep(0.1)
 
     @classmethod
     def load(cls, run_dir: str) -> "Endpoints":

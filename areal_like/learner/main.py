@@ -125,8 +125,7 @@ class Coordinator:
 
         self.loggers = make_loggers(cfg, run_dir, incarnation, on_error=_log)  # TensorBoard, W&B (rank 0 only)
 
-    async def start(self, extra: dict | None, version: int, layout, n_servers: int, weights,
-                    rollback: bool = False) -> None:
+    async def start(self, extra: dict | None, version: int, layout, weights, rollback: bool = False) -> None:
         """Recover the buffer, set up weight sync and make every server serve `weights` (a
         `WeightSource`, or a list of (name, tensor)) as `version`:
         pushed when resuming from a checkpoint (the servers may hold newer weights); on a fresh start
@@ -163,7 +162,7 @@ class Coordinator:
             _log(f"resumed from step {step} (version {version}); servers reloaded")
         _append_jsonl(self.trained_log, {"event": "start", "incarnation": self.incarnation, "resumed_from_step": step})
         _log(f"ready: B={self.cfg.train.batch_size} groups/step, η={self.cfg.rollout.max_staleness}, "
-             f"layout {layout.spec}, algorithm {self.cfg.algorithm.adv_estimator}, {n_servers} server(s), "
+             f"layout {layout.spec}, algorithm {self.cfg.algorithm.adv_estimator}, {len(self.pusher.server_urls)} server(s), "
              f"weights.mode={self.cfg.weights.mode}")
 
     # ---- fetch --------------------------------------------------------------------------------------
@@ -398,7 +397,8 @@ class Follower:
     async def close(self, *a, **kw) -> None: ...
 
 
-async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_port: int) -> int:
+async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_port: int, device: str,
+              launch: str) -> int:
     from areal_like.learner.checkpoint import CheckpointError, CheckpointManager
     from areal_like.learner.parallel import LayoutSpec, broadcast_groups
     from areal_like.learner.parallel.spawn import init_pool_from_env
@@ -406,13 +406,12 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
 
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = decode_config(f.read())
-    endpoints = Endpoints.load(run_dir)
     import torch
 
     # Before any compute: `launcher replay` sets the same count, so it reproduces this run's numbers.
     torch.set_num_threads(cfg.train.torch_threads)
-    rank = init_pool_from_env(cfg.train.collective_timeout_s, endpoints.learner_device)
-    trainer = Trainer.from_config(cfg, LayoutSpec.from_allocation(cfg.allocation), device=endpoints.learner_device)
+    rank = init_pool_from_env(cfg.train.collective_timeout_s, device)
+    trainer = Trainer.from_config(cfg, LayoutSpec.from_allocation(cfg.allocation), device=device)
     if rank == 0:
         _log(f"precision: {trainer.precision_policy}")  # model.dtype computes; train.master_dtype holds the state
         _log(f"memory: {trainer.memory_policy}")  # model.enable_gradient_checkpointing, train.logits_chunk_tokens
@@ -425,12 +424,17 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         return 3
     step = last_saved = extra["step"] if extra else 0
     version = extra["version"] if extra else 0
-    coord = Coordinator(cfg, endpoints, run_dir, incarnation, weight_port, metrics_port) if rank == 0 else Follower()
+    if rank == 0:
+        # The launcher started this pool while the servers load; their endpoints come once they are healthy.
+        endpoints = Endpoints.wait(run_dir, launch, max(cfg.server.health_timeout_s, 900.0) + 60.0)
+        coord = Coordinator(cfg, endpoints, run_dir, incarnation, weight_port, metrics_port)
+    else:
+        coord = Follower()
     # What rank 0 pushes: the live weights, read one bucket at a time from the shards (the other ranks
     # join the gathers from their next leader_ready wait). Pushed when resuming (the servers may hold
     # newer weights from steps this checkpoint does not have), and again if a server restarts.
     weights = trainer.weight_source()
-    await coord.start(extra, version, trainer.layout, len(endpoints.servers), weights, rollback=ckpt.rollback)
+    await coord.start(extra, version, trainer.layout, weights, rollback=ckpt.rollback)
     coord.set_version(version)
     coord.maybe_request_eval(version, step)
     # SIGTERM/SIGINT (launcher stop, Ctrl-C): rank 0 finishes the step in hand, tells the other
@@ -487,10 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--incarnation", type=int, default=0, help="how many times the launcher restarted the pool")
     p.add_argument("--weight-sync-port", type=int, required=True, help="rank 0's port for the weight-update group")
+    p.add_argument("--device", required=True, help="torch device of this rank (cuda:0 under its CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--launch", required=True, help="the launch whose endpoints.json rank 0 waits for")
     a = p.parse_args(argv)
     import uvloop
 
-    return uvloop.run(run(a.run_dir, a.metrics_port, a.incarnation, a.weight_sync_port))
+    return uvloop.run(run(a.run_dir, a.metrics_port, a.incarnation, a.weight_sync_port, a.device, a.launch))
 
 
 if __name__ == "__main__":

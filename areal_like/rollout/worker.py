@@ -75,7 +75,7 @@ def _log(k: int, msg: str) -> None:
     print(f"[rollout{k}] {msg}", flush=True)
 
 
-async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
+async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -> int:
     from transformers import AutoTokenizer
 
     from areal_like.buffer.replay_buffer import ReplayBuffer
@@ -86,7 +86,8 @@ async def run(run_dir: str, index: int, metrics_port: int | None) -> int:
 
     with open(os.path.join(run_dir, "config.json"), "rb") as f:
         cfg = decode_config(f.read())
-    endpoints = Endpoints.load(run_dir)
+    # Started while the servers load (its imports and tokenizer overlap theirs): their URLs come once healthy.
+    endpoints = await asyncio.to_thread(Endpoints.wait, run_dir, launch, max(cfg.server.health_timeout_s, 900.0) + 60.0)
     if metrics_port:
         M.serve(metrics_port)
     M.export_at_zero(M.ROLLOUT_GROUPS, GROUP_OUTCOMES)
@@ -392,10 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--launch", required=True, help="the launch whose endpoints.json it waits for")
     a = p.parse_args(argv)
     import uvloop
 
-    return uvloop.run(run(a.run_dir, a.index, a.metrics_port))
+    return uvloop.run(run(a.run_dir, a.index, a.metrics_port, a.launch))
 
 
 if __name__ == "__main__":

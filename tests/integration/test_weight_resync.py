@@ -114,7 +114,7 @@ async def test_restarted_server_is_resynced_distributed(engine_servers, tiny_mod
     buf = coord.buffer
     m1, m2, m3, m4 = (perturbed(base_model, seed=s) for s in (1, 2, 3, 4))
     n0 = resyncs()
-    await coord.start(None, 0, types.SimpleNamespace(spec="d1p1t1"), 2, list(base_model.state_dict().items()))
+    await coord.start(None, 0, types.SimpleNamespace(spec="d1p1t1"), list(base_model.state_dict().items()))
     try:
         await coord.push(list(m1.state_dict().items()), 1)
         await assert_serves(servers, m1, 1)
@@ -182,7 +182,7 @@ async def test_restarted_server_is_resynced_disk(engine_servers, tiny_model_dir,
     (srv,) = engine_servers(tiny_model_dir, 1, "--admin-api-key", ADMIN)
     coord = make_coordinator(tmp_path, monkeypatch, redis_server, redis_stream, tiny_model_dir, [srv.url], "disk")
     m1 = perturbed(base_model, seed=11)
-    await coord.start(None, 0, types.SimpleNamespace(spec="d1p1t1"), 1, list(base_model.state_dict().items()))
+    await coord.start(None, 0, types.SimpleNamespace(spec="d1p1t1"), list(base_model.state_dict().items()))
     try:
         await coord.push(list(m1.state_dict().items()), 1)
         srv = restarted(srv, tiny_model_dir)
