@@ -36,8 +36,9 @@ count with the last it saw; when it grew, or when a push failed (a server died m
 waits for every server, re-forms the weight group (`pusher.reform()`) and pushes the served version
 again (the live weights, unchanged since that push), which also continues the restarted server. Rank
 0 leads it; the other ranks join its gathers from their wait. A restart during a validation that
-overlaps the next train step abandons that validation instead (the learner no longer holds its
-weights) and the next push re-syncs. After MAX_RESYNCS failed tries it raises and the learner exits non-zero.
+overlaps the next train step re-syncs the restarted server with the next step's weights under the
+validated version's label until the push right after (logged; no second copy of the model is kept).
+After MAX_RESYNCS failed tries it raises and the learner exits non-zero.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class Coordinator:
         self.trained_log = os.path.join(run_dir, "trained.jsonl")
         # (weights, version) the servers serve: what a re-sync pushes again. The weights are the learner's
         # live ones (`Trainer.weight_source`), unchanged until the next train step, after which the next
-        # push replaces them (a validation in between is abandoned on a restart: `collect_eval`).
+        # push replaces them (a re-sync during a validation in between: see `collect_eval`).
         self.pushed: tuple[Any, int] | None = None
         self.seen_restarts = 0  # buffer.restarts("server") when the servers were last known in sync
         from areal_like.metrics.loggers import make_loggers
@@ -296,11 +297,11 @@ class Coordinator:
         """Wait for the pending validation (the servers must keep its version until it ends) and write
         the held metrics row of the step it evaluated, results included (none if asked to stop).
 
-        A server restarted meanwhile (it may hold the validation's requests paused) is re-synced to
-        the served version without abandoning the wait — when the learner still holds that version:
-        the push reads the live weights, so after a train step (`trained_since_push`) it does not. Then
-        the validation is abandoned (the row goes without results, the log says why) and the push that
-        follows re-syncs every server with the new version."""
+        A server restarted meanwhile is re-synced without abandoning the wait: it may hold the
+        validation's requests paused. The push reads the learner's live weights; after a train step
+        (`trained_since_push`) those are the next version's, so the restarted server serves them under
+        the validated version's label until the push that follows this wait (the log says so): no rank
+        keeps a second copy of the model for this rare case."""
         if self.evals is not None and self.eval_pending is not None:
             deadline = time.monotonic() + self.cfg.eval.timeout_s
             while True:
@@ -310,11 +311,9 @@ class Coordinator:
                     break
                 except _ServersRestarted:
                     if trained_since_push:
-                        _log(f"a server restarted during the validation of version {self.eval_pending}, whose "
-                             "weights the learner no longer holds (it trained the next step): validation abandoned; "
-                             "the next push re-syncs every server")
-                        res = {}
-                        break
+                        _log(f"a server restarted during the validation of version {self.eval_pending}; the learner "
+                             "holds only the next step's weights: the restarted server serves those, labelled "
+                             f"{self.eval_pending}, until the push that follows this validation")
                     await self._resync_if_restarted()
             self.eval_pending = None
             M.set_val_metrics(res)

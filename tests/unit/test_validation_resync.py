@@ -1,7 +1,7 @@
 """A server restart while the learner waits for a validation (learner/main.py `Coordinator.collect_eval`).
 
-The push reads the learner's live weights, so what a re-sync can push depends on whether a train step
-ran since the served version was pushed. Pure logic with stand-ins for the eval channel and the buffer
+The push reads the learner's live weights: after the next train step a re-sync pushes those (and says
+so) rather than leaving the restarted server paused with the validation's requests. Pure logic with stand-ins for the eval channel and the buffer
 (the real re-sync over HTTP and a real process group is tests/integration/test_weight_resync.py)."""
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def test_restart_during_a_validation_of_the_weights_still_held_resyncs_and_keeps
     assert c.evals.waits == 2 and c.carry_val == {"val/reward": 0.5} and c.eval_pending is None
 
 
-def test_restart_after_the_next_train_step_abandons_the_validation_instead_of_pushing_newer_weights_as_old():
+def test_restart_after_the_next_train_step_still_resyncs_and_says_the_server_holds_the_next_weights(capsys):
     c, pushes = _coordinator()
     asyncio.run(c.collect_eval(lambda: False, trained_since_push=True))
-    assert pushes == []  # the live weights are no longer version 3: the step's push re-syncs instead
-    assert c.evals.waits == 1 and c.carry_val == {} and c.eval_pending is None
+    assert pushes == [("live weights", 3, "server(s) restarted (1 restart(s))")]  # the validation keeps its server
+    assert c.evals.waits == 2 and c.carry_val == {"val/reward": 0.5} and c.eval_pending is None
+    assert "holds only the next step's weights" in capsys.readouterr().out
