@@ -654,7 +654,8 @@ class Trainer:
         model = {"actor": self.actor, "critic": self.critic}.get(role) if verb == "gather" else None
         if model is None:
             raise RuntimeError(f"learner rank {self.layout.rank}: unknown command from rank 0: {cmd[:80]!r}")
-        model.weights().serve([int(i) for i in idx.split(",")])
+        for _ in model.weights().open([int(i) for i in idx.split(",")]):  # collective; None here
+            pass
 
     def full_state(self) -> list[tuple[str, torch.Tensor]]:
         """The actor's HF-named full tensors on rank 0 ([] elsewhere), all at once; for tests and

@@ -31,7 +31,7 @@ from areal_like.api.net import free_port
 from areal_like.weights.group import WeightGroup, init_weight_group
 from areal_like.weights.receive import dtype_name, parse_dtype
 from areal_like.weights.source import (LocalWeights, WeightSource, as_source, fill_bucket, meta_nbytes, plan_buckets,
-                                       source_device, wire_dtype_of)
+                                       wire_dtype_of)
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class WeightPusher(ServerAdmin):
         meta = src.meta
         buckets = plan_buckets(meta, self.bucket_bytes, dt)
         overlap = not src.gathers
-        device = source_device(src)
+        device = src.device
         total_bytes = 0
 
         def flatten(i: int) -> torch.Tensor:

@@ -52,10 +52,6 @@ def as_source(weights: WeightSource | Sequence[tuple[str, torch.Tensor]]) -> Wei
     return weights if hasattr(weights, "open") and hasattr(weights, "meta") else LocalWeights(weights)  # type: ignore[arg-type]
 
 
-def source_device(src: WeightSource) -> torch.device:
-    return getattr(src, "device", None) or torch.device("cpu")
-
-
 def wire_dtype_of(dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
     """The dtype a tensor of `dtype` travels in: `to` (the servers' dtype) for floating point, None =
     as it is; integer and bool buffers are never cast."""

@@ -410,8 +410,9 @@ class GatheredWeights:
     Two ways to read it. Collective (`announce` None): every rank iterates the same `open(indices)`
     (an HF export, a checkpoint); rank 0 gets the tensors, the others None. Led (`announce` set, a
     push): only rank 0 iterates; before each bucket's gathers it announces the bucket to the
-    followers (`ParallelLayout.leader_command`), which run `serve` on it from their `leader_ready`
-    wait. Either way rank 0 holds one full tensor at a time beyond its shard."""
+    followers (`ParallelLayout.leader_command`), which read the same bucket collectively (an `open`
+    without announcements, its tensors dropped) from their `leader_ready` wait. Either way rank 0
+    holds one full tensor at a time beyond its shard."""
 
     def __init__(self, model: ShardedModel, announce: Callable[[str], None] | None = None) -> None:
         self.model = model
@@ -429,11 +430,3 @@ class GatheredWeights:
         local = m.state_tensors()
         for i in indices:
             yield self.meta[i][0], m.gather_one(i, local)
-
-    def serve(self, indices: Sequence[int]) -> None:
-        """A follower's part of rank 0's `open(indices)` in a led read."""
-        if self.model.device.type == "cuda":
-            torch.cuda.set_device(self.model.device)
-        local = self.model.state_tensors()
-        for i in indices:
-            self.model.gather_one(i, local)
