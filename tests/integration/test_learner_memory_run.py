@@ -55,3 +55,33 @@ def test_demo_learns_sharded_with_gradient_checkpointing(tmp_path, run_launcher)
     assert "FSDP2 over dp=2 (train.dp_sharding=full" in log
     rewards = [r["reward_mean"] for r in _rows(run_dir)]
     assert len(rewards) == 200 and sum(rewards[-5:]) / 5 >= 0.8, rewards[::10]
+
+
+def test_sharded_pool_pushes_through_disk_and_exports_in_shards_under_launcher(tmp_path, run_launcher):
+    """`weights.mode=disk` and `train.export_hf` from a 2-rank FSDP learner through `launcher run`: rank 0
+    writes each safetensors file from the shards as it goes (the other rank joins the gathers), files
+    of at most `weights.bucket_mb`; the server loads them every step and the export is an HF dir that
+    transformers loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_like.weights.disk import SafetensorsDir
+
+    run_dir = tmp_path / "run"
+    rc, out = run_launcher(run_dir, "train.total_steps=3", "train.test_freq=0", "weights.mode=disk",
+                           "weights.bucket_mb=0.05", "train.save_freq=3", "train.export_hf=true",
+                           allocation="embedded:d1+fsdp:d2")
+    assert rc == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_version"] == 3
+    latest = sorted((run_dir / "weights_disk").iterdir())[-1]  # the version dir the server loaded last
+    files = {p.name for p in latest.iterdir()}
+    assert "model.safetensors.index.json" in files, files
+    assert len([f for f in files if f.startswith("model-")]) > 1, files
+    assert all((latest / f).stat().st_size <= 0.05 * 2**20 + 65536 for f in files if f.startswith("model-"))
+    ckpt = run_dir / "checkpoints" / "step_00000003"
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt / "hf"))  # the exported HF dir, fp32 like model.dtype
+    saved = SafetensorsDir(str(ckpt))  # the checkpoint's own copy of the trained weights
+    for name, t in model.state_dict().items():
+        if name in saved:
+            assert torch.equal(t, saved[name]), name
