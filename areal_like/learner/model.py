@@ -97,6 +97,17 @@ def load_hf(path: str, *, dtype: torch.dtype) -> nn.Module:
     return m
 
 
+def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) slots of every Parameter registered in more than one place (a tied
+    embedding and lm_head), one list per Parameter."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in dict.fromkeys(m for _, m in module.named_modules(remove_duplicate=False)):
+        for name, p in m._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((m, name))
+    return [v for v in slots.values() if len(v) > 1]
+
+
 def materialize(stage: nn.Module, path: str, where: str, *, device: torch.device, tied: bool,
                 fresh: dict) -> None:
     """Step 4: storage for this rank's parameters (its shards: `to_empty`, which FSDP2 supports on a
@@ -111,7 +122,12 @@ def materialize(stage: nn.Module, path: str, where: str, *, device: torch.device
         raise FileNotFoundError(f"{where}: {e}. The learner reads safetensors weights (one tensor at a time): "
                                 "re-save the model with save_pretrained(..., safe_serialization=True)") from e
     buffers = {n: b.detach().clone() for n, b in stage.named_buffers()}
+    shared = _shared_parameters(stage)
     stage.to_empty(device=device)
+    for slots in shared:  # `to_empty` gives each module its own new Parameter: tie them again
+        first = slots[0][0]._parameters[slots[0][1]]
+        for module, name in slots[1:]:
+            module._parameters[name] = first
     with torch.no_grad():
         for n, b in stage.named_buffers():
             b.copy_(buffers[n])
