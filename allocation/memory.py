@@ -17,14 +17,18 @@ Parameters (Qwen2 / Qwen3 / Llama-style decoders; `count_params`)
 Split over the learner's layout (areal_like/learner/parallel/parallelize.py): pipeline stage s keeps
 the contiguous balanced layer range `stage_layer_ids`, the embeddings on stage 0, the final norm and
 lm_head on the last stage; tensor parallel shards q/k/v/o and gate/up/down (biases included) by t
-and keeps norms, embeddings and lm_head replicated. Data parallel (`train.dp_sharding`):
+and keeps norms, embeddings and lm_head replicated over tp. Data parallel (`train.dp_sharding`):
     none           every dp rank holds full parameters, gradients and AdamW state of its stage/tp shard
     full | grad_op (FSDP2, dp > 1) each rank stores 1/dp of them, in the master dtype m: params
                    m·n/dp, grads m·n/dp, AdamW 2·m·n/dp — plus what is all-gathered at a time in the
-                   compute dtype b: the root unit (embedding, final norm, head: n_root) through
+                   compute dtype b: the root unit (final norm; a critic's value head) through
                    forward and backward, and two decoder layers (the running one and the prefetched
                    next) with `full`, every layer of the stage with `grad_op` (kept from forward to
                    backward); one unit's unsharded gradient (b + m bytes) while it is reduce-scattered.
+                   The embedding and lm_head are split by vocabulary rows over dp and never gathered
+                   (learner/parallel/vocab_parallel.py): their 1/dp share is in m·n/dp, plus its
+                   b-dtype cast while it runs (b ≠ m) and one backward's gradient of it beside the
+                   accumulated one; the logits chunk holds every dp rank's tokens against V/dp rows.
                    The frozen reference: b·n/dp plus the same gathered units.
 
 Bytes per trainable parameter (`train.master_dtype`, areal_like/learner/trainer.py):
@@ -294,18 +298,26 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
     n_layers = len(stage_layer_ids(shape.layers, pp, stage))
     n_layer = shape.layer_params(tp)
 
-    def trainable(n: int) -> tuple[float, float, float]:  # params, grads, optimizer
+    first, last = stage == 0, stage == pp - 1
+    # [V × h] matrices on this stage: the embedding (first), an untied lm_head (last); a critic has a value head
+    n_vocab = shape.vocab * shape.hidden * (int(first) + int(last and not (shape.tied and first)))
+    n_vocab_critic = shape.vocab * shape.hidden * int(first)
+
+    def trainable(n: int, n_vocab: int) -> tuple[float, float, float]:  # params, grads, optimizer
         if fsdp:  # the master-dtype dp shard, its gradient and AdamW m, v — plus what is gathered at a time
-            root = n - n_layers * n_layer  # embedding / final norm / head: gathered through forward and backward
+            root = n - n_layers * n_layer - n_vocab  # final norm (value head): gathered through forward and backward
             gathered = root + (n_layers * n_layer if s.dp_sharding == "grad_op" else 2 * n_layer)
-            return n * m / dp + b * gathered, n * m / dp + (b + m) * max(n_layer, root), 2 * m * n / dp
+            # the vocabulary rows: a 1/dp shard never gathered, cast to b while it runs; each backward's
+            # gradient of them beside the accumulated one
+            vocab_cast = (b if b != m else 0) * n_vocab / dp
+            return (n * m / dp + b * gathered + vocab_cast,
+                    n * m / dp + max((b + m) * max(n_layer, root), m * n_vocab / dp), 2 * m * n / dp)
         if separate_master:  # 16-bit model + fp32 master: the fp32 grads (the 16-bit ones freed as they move)
             return n * b, n * m, n * (m + 2 * m)
         return n * b, n * b, n * 2 * b
 
     n_actor = shape.stage_params(pp, stage, tp)
-    params, grads, opt = trainable(n_actor)
-    first, last = stage == 0, stage == pp - 1
+    params, grads, opt = trainable(n_actor, n_vocab)
     T = s.tokens_per_micro_batch
     a_layer = shape.layer_activation_bytes(b, tp)
     keep = (b * shape.hidden) if s.checkpointing else a_layer
@@ -320,15 +332,19 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
     logits = 0.0
     if last:
         c = s.logits_chunk_tokens if s.logits_chunk_tokens > 0 else T
-        logits = min(c, T) * shape.vocab * (12 + (4 if s.entropy else 0) + (b if b != 4 else 0))
+        if fsdp:  # vocab-parallel: chunks of every dp rank's tokens against V/dp rows, hidden states gathered
+            logits = (min(c, dp * T) * shape.vocab / dp * (12 + (4 if s.entropy else 0) + (b if b != 4 else 0))
+                      + dp * T * shape.hidden * (b + 4))
+        else:
+            logits = min(c, T) * shape.vocab * (12 + (4 if s.entropy else 0) + (b if b != 4 else 0))
     parts = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
              "activations_bytes": activations, "logits_bytes": logits, "reference_bytes": 0.0,
              "critic_bytes": 0.0, "runtime_bytes": RUNTIME_BYTES}
     if s.reference:  # frozen, model.dtype; sharded like the actor under FSDP
-        parts["reference_bytes"] = (n_actor * b / dp + b * (n_actor - n_layers * n_layer + 2 * n_layer)
+        parts["reference_bytes"] = (n_actor * b / dp + b * (n_actor - n_layers * n_layer - n_vocab + 2 * n_layer)
                                     if fsdp else n_actor * b)
     if s.critic:
-        cp, cg, co = trainable(shape.stage_params(pp, stage, tp, head_dim_out=1))
+        cp, cg, co = trainable(shape.stage_params(pp, stage, tp, head_dim_out=1), n_vocab_critic)
         parts["critic_bytes"] = cp + cg + co  # its activations come at another time than the actor's
     return {k: int(v) for k, v in parts.items()}
 

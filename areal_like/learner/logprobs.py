@@ -65,6 +65,10 @@ def chunked_token_logprobs(hidden_BTH: torch.Tensor, head: torch.nn.Module, targ
                 else positions_BT.reshape(-1).nonzero().squeeze(1))
     h_NH = hidden_BTH.reshape(B * T, -1).index_select(0, flat_idx)
     tgt_N = targets_BT.reshape(-1).long().index_select(0, flat_idx)
+    if getattr(head, "vocab_parallel", False):  # rows split over dp: parallel/vocab_parallel.py
+        vals = head.token_logprobs(h_NH, tgt_N, temperature, chunk_tokens, with_entropy, entropy_grad)
+        outs = [tuple(v for v in vals if v is not None)]
+        return _scatter_back(outs, flat_idx, B, T, 0), (_scatter_back(outs, flat_idx, B, T, 1) if with_entropy else None)
     fn = _chunk_logprobs(head, temperature, with_entropy, entropy_grad)
     n = int(flat_idx.numel())
     step = n if not chunk_tokens or chunk_tokens >= n else int(chunk_tokens)
@@ -79,12 +83,14 @@ def chunked_token_logprobs(hidden_BTH: torch.Tensor, head: torch.nn.Module, targ
         else:
             outs.append(fn(*args))
 
-    def scatter(k: int) -> torch.Tensor:
-        vals = torch.cat([o[k] for o in outs]) if outs else torch.zeros(0, device=hidden_BTH.device)
-        full = torch.zeros(B * T, dtype=torch.float32, device=hidden_BTH.device)
-        return full.index_copy(0, flat_idx, vals.float()).reshape(B, T)
+    return _scatter_back(outs, flat_idx, B, T, 0), (_scatter_back(outs, flat_idx, B, T, 1) if with_entropy else None)
 
-    return scatter(0), (scatter(1) if with_entropy else None)
+
+def _scatter_back(outs: list[tuple[torch.Tensor, ...]], flat_idx: torch.Tensor, B: int, T: int, k: int) -> torch.Tensor:
+    """Output `k` of every chunk, back at its (B, T) positions; 0 elsewhere."""
+    vals = torch.cat([o[k] for o in outs]) if outs else torch.zeros(0, device=flat_idx.device)
+    full = torch.zeros(B * T, dtype=torch.float32, device=flat_idx.device)
+    return full.index_copy(0, flat_idx, vals.float()).reshape(B, T)
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, temperature: float = 1.0,

@@ -273,8 +273,9 @@ class Trainer:
                 dist.recv(x, group=L.pp_group, group_src=L.pp_rank - 1)
             y = shard.stage_module(x)
             if L.is_last_stage:
+                out = keep(mb, y)  # a padding micro-batch too: a vocab-parallel head is collective over dp
                 if mb.rows:
-                    arrays.update(unpack_rows(mb, keep(mb, y)))
+                    arrays.update(unpack_rows(mb, out))
             else:
                 dist.send(y.contiguous(), group=L.pp_group, group_dst=L.pp_rank + 1)
             del y

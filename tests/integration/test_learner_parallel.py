@@ -87,6 +87,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
             off = dict(param_offload=True, optimizer_offload=True) if variant == "offload" else {}
             cfg = TrainConfig(**CFG, pp_schedule=sched, collective_timeout_s=120, dp_sharding=sharding, **off)
             ln = Trainer(model_dir, cfg, layout, temperature=TEMP)
+            if variant in ("full", "grad_op") and ln.layout.is_last_stage:  # FSDP: vocabulary rows split over dp
+                assert getattr(ln.actor.head, "vocab_parallel", False), name
             st = ln.train_step(groups, version=0)
             grads = ln.named_full_grads()
             weights = _read_as_a_push_does(ln)

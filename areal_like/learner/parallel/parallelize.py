@@ -8,7 +8,8 @@ here, afterwards, in this fixed order (as torchtitan; `learner/model.py` calls t
     3. activation checkpointing `apply_activation_checkpointing` — per decoder layer (opt-in)
     4. data parallel, last, because it must see the final (TP-sharded, stage-local) parameters:
          `train.dp_sharding=full|grad_op`  `apply_fsdp` — FSDP2 `fully_shard` of each decoder layer,
-                         then the stage (its embedding, final norm and head), over the dp sub-mesh
+                         then the stage (final norm), over the dp sub-mesh; the embedding and
+                         LM head split by vocabulary rows over dp (`vocab_parallel.py`)
                          (2-D with TP: the tp DTensors are sharded again over dp)
          `train.dp_sharding=none`  `DataParallelReducer` — a bucketed SUM all-reduce of replicated
                          gradients after the last micro-batch (built by `ShardedModel`)
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from areal_like.learner.parallel.layout import ParallelLayout
+from areal_like.learner.parallel.vocab_parallel import apply_vocab_parallel
 
 
 # ---- 1. pipeline parallel -----------------------------------------------------------------------
@@ -243,7 +245,9 @@ def apply_fsdp(stage: PipelineStageModule, layout: ParallelLayout, *, mode: str,
     """Step 4 with `train.dp_sharding=full|grad_op`: FSDP2 over the dp sub-mesh, in place.
 
     Each decoder layer is one FSDP unit (one all-gather in forward, one reduce-scatter in backward);
-    the stage itself is the root unit (embedding, final norm, lm_head or value head). `full`
+    the embedding and the LM head are split by vocabulary rows over dp instead (vocab_parallel.py:
+    FSDP ignores them; never gathered); the stage itself is the root unit (final norm, a critic's
+    value head; with `offload`, the embedding and head too). `full`
     (ZeRO-3) frees each layer's gathered parameters after its forward and gathers them again in
     backward; `grad_op` (ZeRO-2) keeps them until backward. The root is never resharded after
     forward (FSDP's rule), which is what lets the loss run `lm_head` on the hidden states in chunks
@@ -263,9 +267,12 @@ def apply_fsdp(stage: PipelineStageModule, layout: ParallelLayout, *, mode: str,
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     off = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     inner = stage.hf.model
+    # The vocabulary rows split over dp instead of an embedding/head gathered for the whole step
+    # (vocab_parallel.py). With parameter offload they stay in the root unit, offloaded with it.
+    ignored = set() if offload else apply_vocab_parallel(stage, mesh, dtype=param_dtype)
     for i in stage.layer_ids:
         fully_shard(inner.layers[i], mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=mode == "full")
-    fully_shard(stage, mesh=mesh, mp_policy=mp, offload_policy=off)
+    fully_shard(stage, mesh=mesh, mp_policy=mp, offload_policy=off, ignored_params=ignored or None)
     for m in stage.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
