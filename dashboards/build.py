@@ -84,6 +84,12 @@ LEARNER = [
     ts("KL", "k3 estimate of KL(π_prox ‖ π_θ) over the step, and KL to the reference model (0 without one).",
        [target(f"areal_like_learner_approx_kl{L}", "{{run}} KL(prox‖θ)"),
         target(f"areal_like_learner_kl_ref{L}", "{{run}} KL(θ‖ref)")]),
+    ts("Training–inference mismatch", "The learner's logprobs (the step's starting weights) against the servers' "
+       "on the same tokens: mean and max |Δ log p|, KL(π_behav ‖ π_learner) (k3 estimate), and the share of "
+       "tokens whose ratio π_learner/π_behav leaves [0.5, 5]. Includes the policy lag of stale tokens. "
+       "train.rejection_sampling (IcePop, TIS) corrects it; the tokens it acted on are the last series.",
+       [target(f"areal_like_learner_mismatch{L}", "{{run}} {{stat}}"),
+        target(f"areal_like_learner_behav_tokens_corrected{L}", "{{run}} tokens corrected")]),
     ts("Clip fraction", "Fraction of loss tokens where the PPO clip was active.",
        [target(f"areal_like_learner_clipfrac{L}", "{{run}}")], unit="percentunit"),
     ts("Entropy", "Mean policy entropy over loss tokens.", [target(f"areal_like_learner_entropy{L}", "{{run}}")]),

@@ -88,6 +88,9 @@ def _rows(src: str, classes: dict[str, ast.ClassDef], prefix: str, cls_name: str
             rows += _rows(src, classes, f"{prefix}.{fname}", typ)
         else:
             rows.append(f"| `{prefix}.{fname}` | `{_cell(typ)}` | `{_cell(default)}` | {_cell(fdoc)} |")
+            nested = typ.split(" | ")[0]
+            if nested in classes:  # an optional section (`X | str | None`): its keys too
+                rows += _rows(src, classes, f"{prefix}.{fname}", nested)
     return rows
 
 

@@ -246,6 +246,40 @@ class BufferConfig(_Section):
     """Seconds every Redis call may take (must exceed block_ms/1000 + 1); a timeout names the key."""
 
 
+# `train.rejection_sampling` by name: the settings each stands for (the keywords of
+# learner/algorithms.py::rejection_sampling).
+REJECTION_SAMPLING_PRESETS: dict[str, dict[str, Any]] = {
+    # IcePop (Ring-1T): drop tokens whose π_learner/π_infer leaves [0.5, 5]
+    "icepop": dict(level="token", action="mask", metric="ratio", agg="mean", lower=0.5, upper=5.0),
+    # truncated importance sampling, verl's decoupled_token_is / decoupled_seq_is (threshold 2)
+    "token_tis": dict(level="token", action="clamp", metric="ratio", agg="mean", lower=None, upper=2.0),
+    "seq_tis": dict(level="sequence", action="clamp", metric="ratio", agg="sum", lower=None, upper=2.0),
+    # verl's decoupled_geo_rs: drop sequences whose geometric-mean ratio leaves [0.999, 1.001]
+    "geo_rs": dict(level="sequence", action="mask", metric="ratio", agg="mean", lower=0.999, upper=1.001),
+}
+
+
+class RejectionSamplingConfig(_Section):
+    """AReaL's `rejection_sampling` of the behaviour weight w = π_prox/π_behav (with
+    `train.proximal=behaviour`: the learner's logprobs at the step's start over π_behav)."""
+
+    level: Literal["token", "sequence"] = "token"
+    """Judge each token, or each sequence by its tokens aggregated with `agg`."""
+    action: Literal["mask", "clamp"] = "mask"
+    """`mask`: tokens (sequences) outside the range get weight 0 — out of the loss; `clamp`: the weight
+    is the ratio clamped to the range (truncated importance sampling; metric `ratio` only)."""
+    metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3"] = "ratio"
+    """What is compared with the range: the ratio w, or an estimator of KL(π_behav ‖ π) on the token
+    (k1 = −log w, k2 = ½ log² w, k3 = w − 1 − log w)."""
+    agg: Literal["mean", "sum", "max"] = "mean"
+    """Sequence level: how the tokens' values combine (the ratio in log space: mean = geometric mean,
+    sum = product)."""
+    upper: float = 5.0
+    """Upper end of the range."""
+    lower: float | None = None
+    """Lower end of the range; None = no lower end."""
+
+
 class TrainConfig(_Section):
     batch_size: int = 4
     """B: groups per training step (each of `generation.n` samples)."""
@@ -291,6 +325,14 @@ class TrainConfig(_Section):
     """Cap on π_prox/π_behav; None disables the behaviour correction."""
     behav_imp_weight_mode: Literal["cap", "mask"] = "cap"
     """Tokens whose π_prox/π_behav exceeds the cap are `cap`ped to it or `mask`ed out of the loss."""
+    rejection_sampling: RejectionSamplingConfig | str | None = None
+    """Correct the training–inference mismatch (replaces `behav_imp_weight_cap`/`_mode`, which must then
+    keep their defaults): AReaL's settings (`train.rejection_sampling.level=token`, `.action`, `.metric`,
+    `.agg`, `.upper`, `.lower`) or a preset name — `icepop` (token mask outside [0.5, 5]), `token_tis` /
+    `seq_tis` (verl's truncated IS, token ratio or sequence product clamped at 2), `geo_rs` (verl's
+    geometric-mean sequence mask, [0.999, 1.001]). Acts on π_prox/π_behav in the decoupled loss; with
+    `train.proximal=behaviour` (standard PPO) on the learner's logprobs at the step's start over π_behav.
+    None = off."""
     dual_clip_c: float | None = None
     """Dual clip (Ye et al. 2020; AReaL's `c_clip`): bound the loss of tokens with A < 0 at −c·A; None = off."""
     ppo_epochs: int = 1
@@ -362,6 +404,30 @@ class TrainConfig(_Section):
     val_before_train: bool = False
     """Also validate the starting weights (version 0) before step 1. Alias: `trainer.val_before_train`."""
 
+
+
+    def rejection_settings(self) -> dict[str, Any] | None:
+        """`rejection_sampling` resolved (a preset name looked up) and checked; None when off."""
+        rs = self.rejection_sampling
+        if rs is None:
+            return None
+        if isinstance(rs, str):
+            if rs not in REJECTION_SAMPLING_PRESETS:
+                raise ConfigError(f"train.rejection_sampling={rs!r}: use one of {', '.join(REJECTION_SAMPLING_PRESETS)}, "
+                                  f"or set its fields (train.rejection_sampling.level=token, .action, .metric, .upper, …)")
+            out = dict(REJECTION_SAMPLING_PRESETS[rs])
+        else:
+            out = msgspec.structs.asdict(rs)
+        if self.behav_imp_weight_cap != 5.0 or self.behav_imp_weight_mode != "cap":
+            raise ConfigError("train.rejection_sampling replaces train.behav_imp_weight_cap and "
+                              "train.behav_imp_weight_mode: remove those two (or train.rejection_sampling)")
+        if out["upper"] <= 0 or (out["lower"] is not None and out["lower"] > out["upper"]):
+            raise ConfigError(f"train.rejection_sampling: need 0 < upper and lower ≤ upper, got lower={out['lower']} "
+                              f"upper={out['upper']}")
+        if out["action"] == "clamp" and out["metric"] != "ratio":
+            raise ConfigError("train.rejection_sampling.action=clamp clamps the ratio: set "
+                              "train.rejection_sampling.metric=ratio (or action=mask)")
+        return out
 
 class AlgorithmConfig(_Section):
     adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
@@ -781,6 +847,7 @@ class ExperimentConfig(_Section):
         if self.train.logits_chunk_tokens < 0:
             raise ConfigError(f"train.logits_chunk_tokens={self.train.logits_chunk_tokens}: use ≥ 1 (e.g. 1024), "
                               f"or 0 (unchunked)")
+        self.train.rejection_settings()
         if self.rollout.workers < 1:
             raise ConfigError("rollout.workers must be ≥ 1")
         if self.rollout.max_concurrent_groups is not None and self.rollout.max_concurrent_groups < 1:

@@ -101,7 +101,21 @@ class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
     behav_w_min: float = float("nan")
     behav_w_max: float
     behav_tokens_capped: int = 0
-    """Loss tokens whose behaviour weight π_prox/π_behav exceeded the cap (capped or masked)."""
+    """Loss tokens the behaviour correction acted on: π_prox/π_behav over the cap (capped or masked),
+    or outside `train.rejection_sampling`'s range (masked, or clamped)."""
+    mismatch_logp_abs_mean: float = float("nan")
+    """Training–inference mismatch: mean |log π_learner − log π_behav| over the loss tokens measured,
+    π_learner = the learner's logprobs with the step's starting weights (the recomputed π_prox, or
+    the first optimizer step's forward), π_behav = the servers'. Includes the policy lag of stale tokens."""
+    mismatch_logp_abs_max: float = float("nan")
+    """Largest |log π_learner − log π_behav| of the step."""
+    mismatch_kl: float = float("nan")
+    """KL(π_behav ‖ π_learner) estimated on the sampled tokens (k3: mean of r − 1 − log r, r = π_learner/π_behav)."""
+    mismatch_ratio_outside: float = float("nan")
+    """Share of the measured tokens whose r = π_learner/π_behav is outside [0.5, 5]."""
+    mismatch_tokens: int = 0
+    """Loss tokens the mismatch statistics cover (all of the step's, or its first minibatch's when no
+    π_prox recompute ran and the step takes several optimizer steps)."""
     kl_ref: float | None = None
     """Mean KL(π_θ ‖ π_ref) over loss tokens (the configured estimator); None without a reference."""
     entropy: float = float("nan")

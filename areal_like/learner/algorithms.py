@@ -1,4 +1,5 @@
-"""RL algorithm pieces as pure functions on tensors: advantages, KL estimators, the decoupled PPO loss.
+"""RL algorithm pieces as pure functions on tensors: advantages, KL estimators, the decoupled PPO loss,
+the training–inference mismatch and its correction (rejection sampling, truncated IS).
 
 Names follow the papers' symbols so each line can be checked against its equation:
 
@@ -29,7 +30,8 @@ parallelism only need the caller to pass the *global* loss-token count.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+import math
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -52,6 +54,8 @@ __all__ = [
     "ppo_value_loss",
     "entropy_bonus_loss",
     "decoupled_ppo_loss",
+    "rejection_sampling",
+    "mismatch_sums",
     "loglinear_alpha",
     "loglinear_proximal",
     "dynamic_sampling_mask",
@@ -464,6 +468,80 @@ def entropy_bonus_loss(entropy: Tensor, loss_mask: Tensor, *, coef: float,
                                   num_seqs_global=num_seqs_global, loss_norm_const=loss_norm_const)
 
 
+# ---- training–inference mismatch ------------------------------------------------------------------
+def rejection_sampling(log_w: Tensor, mask: Tensor, *, level: str = "token", action: str = "mask",
+                       metric: str = "ratio", agg: str = "mean", lower: float | None = None,
+                       upper: float = 5.0) -> tuple[Tensor, Tensor]:
+    """AReaL's `rejection_sampling` of the behaviour weight w = π/π_behav, from log w (B, T) over the
+    loss `mask` (rows are sequences). Returns (weight (B, T), acted (B, T) bool: tokens outside the range).
+
+    metric   ratio  w itself; the KL estimators of KL(π_behav ‖ π) on the sampled token:
+             kl_k1  −log w        kl_k2  ½ (log w)²        kl_k3  w − 1 − log w
+    level    token: each token's metric; sequence: the row's tokens aggregated by `agg` — for the
+             ratio in log space (mean = the geometric mean, sum = the product, max = the largest),
+             for a KL estimator its mean / sum / max
+    range    lower ≤ metric ≤ upper (lower None: upper only)
+    action   mask: weight 0 outside the range, w inside; clamp: weight = the (token's or sequence's)
+             ratio clamped to [lower or 0, upper] (truncated importance sampling; ratio metric only)
+    """
+    m = mask > 0
+    lw = torch.where(m, log_w.float(), torch.zeros_like(log_w, dtype=torch.float32))
+    if metric == "ratio":
+        tok = lw
+    elif metric == "kl_k1":
+        tok = -lw
+    elif metric == "kl_k2":
+        tok = 0.5 * lw * lw
+    elif metric == "kl_k3":
+        tok = torch.expm1(lw) - lw
+    else:
+        raise ValueError(f"rejection_sampling.metric={metric!r}: use ratio, kl_k1, kl_k2 or kl_k3")
+    if level == "token":
+        val = tok
+    elif level == "sequence":
+        n = m.sum(-1, keepdim=True).clamp(min=1)
+        if agg == "mean":
+            val = tok.sum(-1, keepdim=True) / n
+        elif agg == "sum":
+            val = tok.sum(-1, keepdim=True)
+        elif agg == "max":
+            val = torch.where(m, tok, torch.full_like(tok, -math.inf)).amax(-1, keepdim=True)
+        else:
+            raise ValueError(f"rejection_sampling.agg={agg!r}: use mean, sum or max")
+        val = val.expand_as(tok)
+    else:
+        raise ValueError(f"rejection_sampling.level={level!r}: use token or sequence")
+    if metric == "ratio":  # compare in log space: no overflow of a sequence's product
+        hi = math.log(upper) if upper > 0 else -math.inf
+        lo = math.log(lower) if lower is not None and lower > 0 else -math.inf
+    else:
+        hi, lo = upper, (lower if lower is not None else -math.inf)
+    acted = m & ((val > hi) | (val < lo))
+    if action == "mask":
+        weight = torch.where(acted, torch.zeros_like(lw), torch.exp(lw))
+    elif action == "clamp":
+        if metric != "ratio":
+            raise ValueError("rejection_sampling.action=clamp clamps the ratio: set rejection_sampling.metric=ratio")
+        weight = torch.exp(val.clamp(min=lo, max=hi))
+    else:
+        raise ValueError(f"rejection_sampling.action={action!r}: use mask or clamp")
+    return torch.where(m, weight, torch.zeros_like(weight)), acted
+
+
+def mismatch_sums(logp_learner: Tensor, logp_behav: Tensor, mask: Tensor, *, low: float = 0.5,
+                  high: float = 5.0) -> dict[str, Tensor]:
+    """The training–inference mismatch on the loss tokens of one micro-batch, as sums (combined over
+    micro-batches and ranks by the caller): Σ|Δ log p|, max |Δ log p|, Σ k3 = Σ (r − 1 − log r) with
+    r = π_learner/π_behav (an unbiased estimate of KL(π_behav ‖ π_learner) on tokens sampled from
+    π_behav), the count of tokens with r outside [low, high], and the token count."""
+    m = mask > 0
+    d = torch.where(m, logp_learner.detach().float() - logp_behav.detach().float(), torch.zeros_like(mask.float()))
+    return {"abs_sum": d.abs().sum(), "abs_max": d.abs().max() if d.numel() else d.new_zeros(()),
+            "k3_sum": (torch.expm1(d) - d).sum(),
+            "outside": (m & ((d < math.log(low)) | (d > math.log(high)))).float().sum(),
+            "tokens": m.float().sum()}
+
+
 # ---- the decoupled PPO loss ---------------------------------------------------------------------
 def decoupled_ppo_loss(
     logp: Tensor,
@@ -481,8 +559,16 @@ def decoupled_ppo_loss(
     num_seqs_global: int | float | Tensor | None = None,
     agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean",
     loss_norm_const: float | None = None,
+    rejection: dict[str, Any] | None = None,
+    logp_correct: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO objective (DESIGN invariant 5). Only `logp` carries gradient.
+
+    `rejection` (`train.rejection_sampling`, the keywords of `rejection_sampling`) replaces the cap: it
+    judges log(π_c/π_behav) per token or sequence, where π_c is `logp_correct` (default π_prox; with
+    standard PPO, π_prox = π_behav, the learner's logprobs at the step's start) — `mask` sets w = 0
+    outside its range (IcePop), `clamp` sets w = the clamped ratio (truncated IS). The cap is then
+    not applied (pass behav_imp_weight_cap None).
 
     r = exp(logp − logp_prox); w = exp(logp_prox − logp_behav), then
       behav_mode "cap":  w ← min(w, cap);  "mask": tokens with w > cap get w = 0 (dropped);
@@ -527,7 +613,16 @@ def decoupled_ppo_loss(
     behav_log_w = torch.where(mask > 0, logp_prox - logp_behav, torch.zeros_like(logp_prox))
     behav_imp_weight_raw = torch.exp(behav_log_w)
 
-    if behav_imp_weight_cap is None:
+    if rejection is not None:
+        if behav_imp_weight_cap is not None:
+            raise ValueError("rejection sampling replaces behav_imp_weight_cap: pass one of them")
+        c = logp_prox if logp_correct is None else logp_correct.detach().float()
+        weight, over_cap = rejection_sampling(c - logp_behav, mask, **rejection)
+        if rejection.get("action", "mask") == "mask":
+            behav_imp_weight = torch.where(over_cap, torch.zeros_like(behav_imp_weight_raw), behav_imp_weight_raw)
+        else:
+            behav_imp_weight = weight
+    elif behav_imp_weight_cap is None:
         behav_imp_weight = torch.ones_like(behav_imp_weight_raw)
         over_cap = torch.zeros_like(mask, dtype=torch.bool)
     else:

@@ -339,6 +339,9 @@ class Coordinator:
             fetch_s=batch.fetch_s, loss=stats["loss"], grad_norm=stats["grad_norm"], clipfrac=stats["clipfrac"],
             approx_kl=stats["approx_kl"], behav_w_min=stats["behav_w_min"], behav_w_max=stats["behav_w_max"],
             behav_tokens_capped=stats["behav_tokens_capped"], kl_ref=stats["kl_ref"], entropy=stats["entropy"],
+            mismatch_logp_abs_mean=stats["mismatch_logp_abs_mean"], mismatch_logp_abs_max=stats["mismatch_logp_abs_max"],
+            mismatch_kl=stats["mismatch_kl"], mismatch_ratio_outside=stats["mismatch_ratio_outside"],
+            mismatch_tokens=stats["mismatch_tokens"],
             value_loss=stats["value_loss"], adv_abs_mean=stats["adv_abs_mean"],
             optimizer_steps=stats["optimizer_steps"], loss_tokens=stats["loss_tokens"], skipped=stats["skipped"],
             incarnation=self.incarnation, time=time.time(), reward_failures=buffer_stats.get("reward_failures", {}),
@@ -360,6 +363,9 @@ class Coordinator:
                            (M.GRAD_NORM, "grad_norm"), (M.VALUE_LOSS, "value_loss"), (M.BEHAV_W_MAX, "behav_w_max")):
             if stats[key] is not None:
                 gauge.set(stats[key])
+        for stat in ("logp_abs_mean", "logp_abs_max", "kl", "ratio_outside"):
+            M.MISMATCH.labels(stat).set(stats[f"mismatch_{stat}"])
+        M.BEHAV_TOKENS_CORRECTED.set(stats["behav_tokens_capped"])
         M.STALENESS_MAX.set(row.staleness_max)
         for s in staleness:
             M.STALENESS.observe(s)

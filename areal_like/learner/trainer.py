@@ -94,8 +94,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Actor stats: token-weighted sums (each micro-batch adds mean × its share of the minibatch's loss
 # tokens) and maxima; reduced over pp and dp, then averaged over the step's optimizer steps.
 _SUM_STATS = ("loss", "clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "behav_tokens_capped", "dual_clipfrac",
-              "entropy", "kl_ref", "adv_abs_mean")
-_MAX_STATS = ("behav_w_max", "ratio_max", "neg_behav_w_min")
+              "entropy", "kl_ref", "adv_abs_mean", "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")
+_MAX_STATS = ("behav_w_max", "ratio_max", "neg_behav_w_min", "mm_abs_max")
+_COUNT_STATS = ("behav_tokens_capped", "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")  # sums, not means
 
 
 class Trainer:
@@ -142,6 +143,7 @@ class Trainer:
         self.layout = layout
         layout.on_command = self.serve_command  # rank 0's weight reads, joined from leader_ready waits
         self.cfg = train_cfg
+        self.rejection = train_cfg.rejection_settings()  # train.rejection_sampling resolved; None = off
         self.alg = algorithm or AlgorithmConfig()
         self.critic_cfg = critic or CriticConfig()
         self.reward_cfg = reward or RewardShapingConfig()
@@ -387,11 +389,16 @@ class Trainer:
         return tgt[..., CH_PROX] if recomputed else logp_BT1.detach()  # see the module docstring
 
     def _actor_loss_fn(self, acc: dict[str, torch.Tensor], loss_tokens: int, num_seqs: int, version: int,
-                       recomputed: bool):
+                       recomputed: bool, measure: bool):
         """loss(hidden (B, T, H), targets (B, T−1, C)) of one micro-batch; accumulates its stats.
 
         The logprobs (and entropy) come from the last hidden states through `lm_head` in chunks of
-        `train.logits_chunk_tokens` loss positions (0 elsewhere): no [B × T × V] logits."""
+        `train.logits_chunk_tokens` loss positions (0 elsewhere): no [B × T × V] logits.
+
+        The learner's logprobs with the step's starting weights are the recomputed π_prox where that
+        pass ran, else this call's own logp on the step's first optimizer step: against π_behav they
+        give the mismatch statistics (`measure`: count this call's tokens, once per step) and, with
+        standard PPO (π_prox = π_behav), what `train.rejection_sampling` judges."""
         cfg, alg = self.cfg, self.alg
         agg = dict(loss_tokens_global=loss_tokens, num_seqs_global=num_seqs, loss_norm_const=self.loss_norm_const)
         head = self.actor.head
@@ -403,11 +410,19 @@ class Trainer:
                                                    positions_BT=mask > 0, chunk_tokens=cfg.logits_chunk_tokens,
                                                    with_entropy=want_entropy, entropy_grad=alg.entropy_coef > 0)
             prox = self._proximal(logp, tgt, version, recomputed)
+            start = tgt[..., CH_PROX] if recomputed else logp.detach()  # the learner at the step's start
+            if measure:
+                mm = A.mismatch_sums(start, tgt[..., CH_BEHAV], mask)
+                for k in ("abs_sum", "k3_sum", "outside", "tokens"):
+                    acc[f"mm_{k}"] += mm[k]
+                acc["mm_abs_max"] = torch.maximum(acc["mm_abs_max"], mm["abs_max"])
+            rs = self.rejection
             loss, st = A.decoupled_ppo_loss(
                 logp, prox, tgt[..., CH_BEHAV], tgt[..., CH_ADV], mask,
                 eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
-                behav_imp_weight_cap=cfg.behav_imp_weight_cap, behav_mode=cfg.behav_imp_weight_mode,
-                dual_clip_c=cfg.dual_clip_c, agg=cfg.loss_agg_mode, **agg)
+                behav_imp_weight_cap=None if rs else cfg.behav_imp_weight_cap, behav_mode=cfg.behav_imp_weight_mode,
+                dual_clip_c=cfg.dual_clip_c, agg=cfg.loss_agg_mode, rejection=rs,
+                logp_correct=start if rs and cfg.proximal == "behaviour" else None, **agg)
             frac = st["loss_tokens"] / max(loss_tokens, 1)
             for name in ("clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "dual_clipfrac"):
                 acc[name] += st[name] * frac
@@ -562,7 +577,10 @@ class Trainer:
         mine = sorted(i for s in shares for i in s)
         # 2. forward-only passes with the step's starting weights (results on the last stage)
         channels: dict[int, SampleArrays] = {}
-        recompute = cfg.proximal == "recompute" and len(mbs) * cfg.ppo_epochs > 1
+        # π at the step's start for every minibatch: π_prox of the decoupled loss, or what rejection
+        # sampling judges under standard PPO (one optimizer step computes it in its own forward)
+        recompute = len(mbs) * cfg.ppo_epochs > 1 and (
+            cfg.proximal == "recompute" or (cfg.proximal == "behaviour" and self.rejection is not None))
         if recompute:
             channels[CH_PROX] = self._forward_logprobs(self.actor, samples, mine)
         if self.ref is not None:
@@ -581,8 +599,8 @@ class Trainer:
         lr = critic_lr = float("nan")
         loss_tokens_total = 0
         n_opt = 0
-        for _epoch in range(cfg.ppo_epochs):
-            for mb_rows, share in zip(mbs, shares):
+        for epoch in range(cfg.ppo_epochs):
+            for mb_i, (mb_rows, share) in enumerate(zip(mbs, shares)):
                 lt = loss_tokens_of(samples, mb_rows)
                 n_seqs = sum(1 for i in mb_rows if samples[i].mask_np()[1:].any())  # rows with loss tokens
                 acc = {k: torch.zeros((), device=dev) for k in _SUM_STATS}
@@ -590,7 +608,8 @@ class Trainer:
                 self.actor.zero_grad()
                 if lt > 0:
                     self._forward_backward(self.actor, samples, share, channels,
-                                           self._actor_loss_fn(acc, lt, n_seqs, version, recompute))
+                                           self._actor_loss_fn(acc, lt, n_seqs, version, recompute,
+                                                               epoch == 0 and (recompute or mb_i == 0)))
                 sums, maxes = self._reduce(torch.stack([acc[k] for k in _SUM_STATS]),
                                            torch.stack([acc[k] for k in _MAX_STATS]))
                 norm, skip, lr, rest = self._optimizer_step(self.actor, lt, sums[0], cfg.lr,
@@ -616,7 +635,9 @@ class Trainer:
         # 5. stats: means over the step's optimizer steps (token-weighted within each), maxima overall
         st = dict(zip(_SUM_STATS, (sums_total / max(n_opt, 1)).tolist()))
         mx = dict(zip(_MAX_STATS, maxes_total.tolist()))
-        st["behav_tokens_capped"] = st["behav_tokens_capped"] * n_opt  # a count, not a mean
+        for k in _COUNT_STATS:  # sums over the step, not means
+            st[k] = st[k] * n_opt
+        mm_n = st["mm_tokens"]
         applied = [n for n, s in zip(norms, skips) if not s]
         skip_reason = next((s for s in skips if s), "")
         return {
@@ -627,6 +648,12 @@ class Trainer:
             "entropy": st["entropy"] if self.compute_entropy or self.alg.entropy_coef > 0 else float("nan"),
             "ratio_max": mx["ratio_max"], "behav_w_max": mx["behav_w_max"], "behav_w_min": -mx["neg_behav_w_min"],
             "behav_tokens_capped": int(round(st["behav_tokens_capped"])),
+            # training–inference mismatch: the learner's logprobs at the step's start vs the servers'
+            "mismatch_logp_abs_mean": st["mm_abs_sum"] / mm_n if mm_n else float("nan"),
+            "mismatch_logp_abs_max": mx["mm_abs_max"] if mm_n else float("nan"),
+            "mismatch_kl": st["mm_k3_sum"] / mm_n if mm_n else float("nan"),
+            "mismatch_ratio_outside": st["mm_outside"] / mm_n if mm_n else float("nan"),
+            "mismatch_tokens": int(round(mm_n)),
             "kl_ref": st["kl_ref"] if self.ref is not None else None,
             "value_loss": float(np.mean(value_losses)) if value_losses else None,
             "critic_grad_norm": float(np.mean(critic_norms)) if critic_norms else None,

@@ -91,6 +91,12 @@ GRAD_NORM = Gauge("areal_like_learner_grad_norm", "Actor gradient norm before cl
 VALUE_LOSS = Gauge("areal_like_learner_value_loss", "Critic value loss, last step (GAE only)", registry=REGISTRY)
 BEHAV_W_MAX = Gauge("areal_like_learner_behav_weight_max", "Largest π_prox/π_behav behaviour weight, last step",
                     registry=REGISTRY)
+MISMATCH = Gauge("areal_like_learner_mismatch", "Training–inference mismatch of the last step between the learner's "
+                 "logprobs (step-start weights) and the servers' on the same tokens: stat = logp_abs_mean, "
+                 "logp_abs_max, kl (KL(π_behav‖π_learner), k3) or ratio_outside (share of tokens with "
+                 "π_learner/π_behav outside [0.5, 5])", ["stat"], registry=REGISTRY)
+BEHAV_TOKENS_CORRECTED = Gauge("areal_like_learner_behav_tokens_corrected", "Loss tokens the behaviour correction "
+                               "acted on in the last step (capped, masked or clamped)", registry=REGISTRY)
 VAL_SCORE = Gauge("areal_like_val_score", "Latest validation result, by data_source (`all` = every prompt) and "
                   "metric (mean@k, pass@k; data_source `_` holds version, step, samples, seconds)",
                   ["data_source", "metric"], registry=REGISTRY)

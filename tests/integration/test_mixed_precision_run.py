@@ -55,3 +55,23 @@ def test_a_master_dtype_neither_fp32_nor_the_compute_dtype_is_refused(tmp_path, 
     rc, out = run_launcher(run_dir, "model.dtype=bfloat16", "train.master_dtype=float16", timeout=60)
     assert rc != 0 and "train.master_dtype=float16 with model.dtype=bfloat16" in out, out[-2000:]
     assert "redis-server pid" not in out  # nothing was started
+
+
+def test_bf16_servers_show_the_mismatch_and_rejection_sampling_acts(tmp_path, run_launcher):
+    """Issue 26: an fp32 learner fed by bf16 servers (synchronous, η = 0, so no policy lag) reports a
+    non-zero training–inference mismatch every step in metrics.jsonl, and a rejection-sampling range
+    that bf16 rounding leaves (ratio within [0.999, 1.001], verl's geo_rs bounds, per token) masks
+    tokens, counted in the same rows."""
+    run_dir = tmp_path / "run"
+    rc, out = run_launcher(run_dir, "server.dtype=bfloat16", "rollout.max_staleness=0", "train.total_steps=4",
+                           "train.batch_size=4", "generation.n=8", "train.test_freq=0",
+                           "train.rejection_sampling.lower=0.999", "train.rejection_sampling.upper=1.001")
+    assert rc == 0, out[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["mismatch_tokens"] == r["loss_tokens"] > 0  # one optimizer step: every token measured
+        assert r["mismatch_logp_abs_mean"] > 0 and r["mismatch_logp_abs_max"] >= r["mismatch_logp_abs_mean"]
+        assert math.isfinite(r["mismatch_kl"]) and 0 <= r["mismatch_ratio_outside"] <= 1
+        assert r["staleness_max"] == 0
+    assert sum(r["behav_tokens_capped"] for r in rows) > 0

@@ -144,10 +144,11 @@ def _actor_loss_saved(learner: Trainer, groups) -> tuple[_SavedForBackward, int]
     (mb,) = pack(samples, rows, {CH_ADV: adv}, micro_batch_tokens=1 << 30, pad_id=0,
                  device=torch.device("cpu"), single=True)
     acc = {k: torch.zeros(()) for k in ("loss", "clipfrac", "approx_kl", "ratio_mean", "behav_w_mean",
-                                        "behav_tokens_capped", "dual_clipfrac", "entropy", "kl_ref", "adv_abs_mean")}
-    acc.update({k: torch.full((), -float("inf")) for k in ("behav_w_max", "ratio_max", "neg_behav_w_min")})
+                                        "behav_tokens_capped", "dual_clipfrac", "entropy", "kl_ref", "adv_abs_mean",
+                                        "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")}
+    acc.update({k: torch.full((), -float("inf")) for k in ("behav_w_max", "ratio_max", "neg_behav_w_min", "mm_abs_max")})
     learner.ref = None
-    loss_fn = learner._actor_loss_fn(acc, int(mb.loss_mask_BT1.sum()), len(rows), 0, False)
+    loss_fn = learner._actor_loss_fn(acc, int(mb.loss_mask_BT1.sum()), len(rows), 0, False, True)
     with _SavedForBackward() as saved:
         loss = loss_fn(learner.actor.stage_module(mb.input_ids_BT), mb.targets_BT1C)
     loss.backward()
