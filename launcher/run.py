@@ -439,6 +439,7 @@ class Run:
                                        python=os.path.abspath(cfg.server.python) if cfg.server.python
                                        and os.sep in cfg.server.python else (cfg.server.python or sys.executable),
                                        weight_update=cfg.weights.mode, dtype=cfg.server.dtype,
+                                       fp32_lm_head=cfg.model.fp32_lm_head,
                                        mem_fraction_static=cfg.server.mem_fraction_static,
                                        # the workflows' limit, also SGLang's (else it takes the model's)
                                        extra_args=["--context-length", str(cfg.resolved_max_context_len())],
@@ -486,6 +487,8 @@ class Run:
                     "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads)]
             if not cfg.metrics.prometheus:
                 argv.append("--disable-metrics")
+            if cfg.model.fp32_lm_head:
+                argv.append("--enable-fp32-lm-head")
             sv = cfg.server
             argv += ["--max-n", str(sv.max_n), "--max-request-bytes", str(int(sv.max_request_mb * 2**20))]
             for flag, value in (("--max-new-tokens-limit", sv.max_new_tokens_limit),

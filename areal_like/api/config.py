@@ -41,6 +41,12 @@ class ModelConfig(_Section):
     """Activation checkpointing per decoder layer of the learner's actor and critic: each layer's
     activations are recomputed in the backward pass instead of kept (less memory, about one more
     forward pass of compute). verl's name; alias `actor_rollout_ref.model.enable_gradient_checkpointing`."""
+    fp32_lm_head: bool = False
+    """Compute the LM head's logits in fp32 on the learner and on the servers (the embedded engine;
+    SGLang's `--enable-fp32-lm-head`): input and weight are upcast for that one matmul, the stored
+    weights keep their dtype. Narrows the training–inference mismatch of 16-bit models (PipelineRL
+    always does this); no effect where everything is fp32. Costs an fp32 copy of the head's weight
+    (of the learner's dp shard of it under FSDP) while the logits are computed."""
 
 
 class DataConfig(_Section):

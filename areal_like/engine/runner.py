@@ -161,7 +161,7 @@ class SlotKV:
 
 class ModelRunner:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_context_len: int = 512,
-                 max_batch_size: int = 64, max_prefill_tokens: int = 4096):
+                 max_batch_size: int = 64, max_prefill_tokens: int = 4096, fp32_lm_head: bool = False):
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -172,6 +172,10 @@ class ModelRunner:
         # sdpa: the prepared 4D bool masks below are in sdpa's convention (True = attend)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
                                                           attn_implementation="sdpa").to(self.device).eval()
+        if fp32_lm_head:  # --enable-fp32-lm-head (model.fp32_lm_head): the learner computes its logits the same way
+            from areal_like.learner.logprobs import fp32_lm_head as _fp32
+
+            _fp32(self.model.lm_head)
         self.config = self.model.config
         # Qwen2-style models take masks per layer type (a dict skips their own mask building); others
         # (Llama) return a prepared 4D mask as-is from create_causal_mask.

@@ -172,7 +172,7 @@ class GenerationServer:
         self.args = args
         self.runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype,
                                   max_context_len=args.max_context_len, max_batch_size=args.max_batch_size,
-                                  max_prefill_tokens=args.max_prefill_tokens)
+                                  max_prefill_tokens=args.max_prefill_tokens, fp32_lm_head=args.enable_fp32_lm_head)
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(self.runner, max_batch_size=args.max_batch_size,
                                    weight_version=str(args.weight_version), text_stop=self._text_stop)
@@ -949,6 +949,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--enable-fp32-lm-head", action="store_true",
+                   help="compute the LM head's logits in fp32 (SGLang's flag; model.fp32_lm_head)")
     p.add_argument("--max-batch-size", type=int, default=64, help="max running requests per decode step")
     p.add_argument("--max-context-len", type=int, default=512, help="prompt + generated tokens per request")
     p.add_argument("--max-prefill-tokens", type=int, default=4096,
@@ -1003,8 +1005,9 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    log.info("serving %s on http://%s:%d (weight_version %s, dtype %s, context %d tokens)", args.model_path,
-             args.host, args.port, server.scheduler.weight_version, args.dtype, args.max_context_len)
+    log.info("serving %s on http://%s:%d (weight_version %s, dtype %s%s, context %d tokens)", args.model_path,
+             args.host, args.port, server.scheduler.weight_version, args.dtype,
+             ", LM head fp32" if args.enable_fp32_lm_head else "", args.max_context_len)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

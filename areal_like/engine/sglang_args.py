@@ -184,6 +184,7 @@ def build_sglang_servers(
     dist_init_ports: Sequence[int] | None = None,
     mem_fraction_static: float | None = None,
     dtype: str | None = None,
+    fp32_lm_head: bool = False,
     weight_update: WeightUpdate = "distributed",
     weight_version: str = "0",
     extra_args: Sequence[str] = (),
@@ -197,6 +198,7 @@ def build_sglang_servers(
     ``seed + k``). ``node_hosts[n]``: the address of node n, used in URLs and ``--dist-init-addr``
     (default ``127.0.0.1``, allowed only while every server is on node 0). ``host``: bind address
     (default: the node's address). ``dist_init_ports[k]``: required for servers spanning nodes.
+    ``fp32_lm_head``: ``--enable-fp32-lm-head`` (`model.fp32_lm_head`).
     ``supported_flags``: the release's flags (`sglang_server_flags`); None = assume a current
     release. ``secrets_file``: where the keys go (required when a key is set): argv gets
     ``--config secrets_file`` and each process's `SGLangProcess.write_secrets` writes the keys there
@@ -294,6 +296,11 @@ def build_sglang_servers(
             common += ["--mem-fraction-static", repr(float(mem_fraction_static))]
         if dtype is not None:  # the learner's dtype: weights pushed to the server arrive in it
             common += ["--dtype", dtype]
+        if fp32_lm_head:
+            if flags is not None and "--enable-fp32-lm-head" not in flags:
+                raise SGLangArgsError("model.fp32_lm_head=true needs SGLang's --enable-fp32-lm-head, which this "
+                                      "SGLang release lacks: upgrade sglang or set model.fp32_lm_head=false")
+            common.append("--enable-fp32-lm-head")
         if secrets:  # the keys themselves go into the 0600 file; argv names only the file
             common += ["--config", secrets_file]
         procs = []

@@ -20,6 +20,25 @@ def token_logprobs_from_logits(logits_BTV: torch.Tensor, targets_BT: torch.Tenso
     return logp.gather(-1, targets_BT.long().unsqueeze(-1)).squeeze(-1)
 
 
+def fp32_lm_head(head: torch.nn.Module) -> None:
+    """Make `head` (an `nn.Linear` LM head) compute its logits in fp32 — input and weight upcast for
+    the matmul, the stored weight unchanged (`model.fp32_lm_head`; SGLang's --enable-fp32-lm-head,
+    PipelineRL's default): the learner and the embedded engine both call it, so a 16-bit model's
+    logits stop carrying 16-bit rounding into the logprobs on either side. A vocab-parallel head
+    (parallel/vocab_parallel.py) takes `dtype = float32` instead."""
+    if getattr(head, "vocab_parallel", False):
+        head.dtype = torch.float32
+        return
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"model.fp32_lm_head: the LM head is a {type(head).__name__}, not an nn.Linear")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(x.float(), head.weight.float(), bias)
+
+    head.forward = forward  # type: ignore[method-assign]
+
+
 def _log_softmax_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The one definition: fp32 log_softmax of logits / temperature (temperature < 1e-6 counts as 1)."""
     z = logits.float()

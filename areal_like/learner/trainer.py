@@ -80,7 +80,7 @@ from areal_like.learner.batching import (
     step_skip_reason,
     unpack_rows,
 )
-from areal_like.learner.logprobs import chunked_token_logprobs
+from areal_like.learner.logprobs import chunked_token_logprobs, fp32_lm_head as use_fp32_lm_head
 from areal_like.learner.model import build_model, effective_dp_sharding, value_head
 from areal_like.learner.parallel.layout import LayoutSpec, ParallelLayout
 from areal_like.learner.parallel.parallelize import build_pipeline_schedule
@@ -123,6 +123,7 @@ class Trainer:
         max_new_tokens: int | None = None,
         compute_entropy: bool | None = None,
         gradient_checkpointing: bool = False,
+        fp32_lm_head: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)} (model.dtype)")
@@ -165,6 +166,7 @@ class Trainer:
         self.actor = build_model(model_path, "actor", layout, param_offload=train_cfg.param_offload,
                                  optimizer_offload=train_cfg.optimizer_offload, **build)
         self.config = self.actor.config
+        self.fp32_lm_head = bool(fp32_lm_head)
         self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         self.critic: ShardedModel | None = None
         c = self.critic_cfg
@@ -175,6 +177,10 @@ class Trainer:
         r = ref or RefConfig()
         if self.alg.kl_loss_on or self.alg.kl_reward_on:
             self.ref = build_model(r.path or model_path, "reference", layout, param_offload=r.param_offload, **build)
+        if self.fp32_lm_head:  # model.fp32_lm_head: logits in fp32 (actor and reference; the critic has no LM head)
+            for m in (self.actor, self.ref):
+                if m is not None and m.head is not None:
+                    use_fp32_lm_head(m.head)
         if self.is_rank0:
             log.info("learner precision: %s", self.precision_policy)
             if md == dtype != "float32":
@@ -191,7 +197,8 @@ class Trainer:
         return cls(cfg.model.path, cfg.train, layout, temperature=cfg.generation.temperature, device=device,
                    dtype=cfg.model.dtype, algorithm=cfg.algorithm, critic=cfg.critic, ref=cfg.ref,
                    reward=cfg.reward, max_new_tokens=cfg.generation.max_new_tokens,
-                   gradient_checkpointing=cfg.model.enable_gradient_checkpointing)
+                   gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                   fp32_lm_head=cfg.model.fp32_lm_head)
 
     @property
     def memory_policy(self) -> str:
@@ -220,7 +227,7 @@ class Trainer:
         """One line: compute, master, grad-reduce and optimizer-state dtypes (logged at start)."""
         c = str(self.dtype).removeprefix("torch.")
         m = self.cfg.master_dtype
-        return f"compute {c}, master {m}, grad reduce {m}, AdamW state {m}"
+        return f"compute {c}, master {m}, grad reduce {m}, AdamW state {m}" + (", LM head fp32" if self.fp32_lm_head else "")
 
     @property
     def is_rank0(self) -> bool:

@@ -150,3 +150,26 @@ def test_icepop_masks_and_counts_the_tokens_outside(model_dir, proximal, minibat
     assert st["mismatch_tokens"] == st["loss_tokens"]
     if proximal == "behaviour":
         assert st["behav_w_min"] == 1.0 and st["behav_w_max"] == 1.0  # standard PPO: π_prox = π_behav
+
+
+def test_fp32_lm_head_computes_the_logits_in_fp32(model_dir):
+    """model.fp32_lm_head: a 16-bit head's logits come from fp32 input and weight (the stored weight
+    unchanged); the Trainer applies it to the actor's head, the embedded engine to its model's."""
+    from areal_like.engine.runner import ModelRunner
+    from areal_like.learner.logprobs import fp32_lm_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    fp32_lm_head(head)
+    y = head(x)
+    assert y.dtype == torch.float32 and head.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(y, x.float() @ head.weight.float().t())
+    assert not torch.equal(y, (x @ head.weight.t()).float())  # the bf16 matmul rounds differently
+    ln = Trainer(model_dir, cfg(), temperature=TEMP, dtype="bfloat16", fp32_lm_head=True)
+    h = torch.randn(2, hf(ln).config.hidden_size, dtype=torch.bfloat16)
+    assert ln.actor.head(h).dtype == torch.float32 and "LM head fp32" in ln.precision_policy
+    runner = ModelRunner(model_dir, dtype="bfloat16", fp32_lm_head=True)
+    assert runner.model.lm_head(h).dtype == torch.float32
+    with pytest.raises(TypeError, match="fp32_lm_head"):
+        fp32_lm_head(torch.nn.Identity())

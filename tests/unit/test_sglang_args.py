@@ -241,6 +241,16 @@ def test_release_differences_by_supported_flags():
         build("sglang:d1+fsdp:d1", None, supported_flags=old, admin_api_key="k")
 
 
+def test_fp32_lm_head_is_sglangs_flag_or_refused():
+    (s,) = build("sglang:d1+fsdp:d1", None, fp32_lm_head=True)
+    assert "--enable-fp32-lm-head" in s.processes[0].argv
+    (s,) = build("sglang:d1+fsdp:d1", None)
+    assert "--enable-fp32-lm-head" not in s.processes[0].argv
+    old = {"--model-path", "--host", "--port", "--tp-size", "--dtype"}  # a release without the flag
+    with pytest.raises(SGLangArgsError, match="model.fp32_lm_head"):
+        build("sglang:d1+fsdp:d1", None, supported_flags=old, fp32_lm_head=True)
+
+
 def test_require_sglang_names_the_key_and_the_setup(tmp_path):
     """This interpreter has no sglang (the launcher never needs it): the error names server.python and
     how to build SGLang's own environment."""
