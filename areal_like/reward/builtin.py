@@ -2,20 +2,26 @@
 
     data_source                               scorer (module)        score
     openai/gsm8k, gsm8k                       gsm8k (here)           1 if the number after the last "#### " is
-                                                                     right; reward.format_score if "#### <number>"
-                                                                     is there but wrong; 0 without "####"
+                                                                     right (numerically: "2000.0", "72." and
+                                                                     "2,000" are 2000/72 — verl compares strings,
+                                                                     forgiving commas only); reward.format_score
+                                                                     if "#### <number>" is there but wrong; 0
+                                                                     without "####"
     lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
-    HuggingFaceH4/MATH-500, math              math (math_score.py)   1 if the last \\boxed{…} is equivalent to
+    HuggingFaceH4/MATH-500                    math (math_score.py)   1 if the last \\boxed{…} is equivalent to
                                                                      the ground truth under math-verify, else 0
-    math_dapo, math_dapo_reasoning, aime*     math (math_score.py)   as math; the answer may also be the text
-                                                                     after the last "Answer:" (DAPO's format).
-                                                                     0/1, not verl's math_dapo ±1
+    math_dapo, math_dapo_reasoning, math,
+    aime*                                     math (math_score.py)   the text after the last "Answer:" (DAPO's
+                                                                     format; a \\boxed{} alone scores 0, as in
+                                                                     verl), math-verify equivalence. 0/1, not
+                                                                     verl's math_dapo ±1
     searchR1_nq, searchR1_triviaqa, searchR1_popqa, searchR1_hotpotqa, searchR1_2wikimultihopqa,
-    searchR1_musique, searchR1_bamboogle, nq, triviaqa, popqa, hotpotqa, qa_em
-                                              QA exact match (qa.py) 1 if the last <answer>…</answer> (else the
-                                                                     whole completion) matches a target after
-                                                                     SQuAD normalisation; reward.format_score if
-                                                                     <answer> is there but wrong; else 0
+    searchR1_musique, searchR1_bamboogle      Search-R1 EM (qa.py)   verl's: 0 without <answer>…</answer>; 1 if
+                                                                     the last one matches a target after SQuAD
+                                                                     normalisation (÷ 4 beyond 10 tags);
+                                                                     reward.format_score if it does not
+    nq, triviaqa, popqa, hotpotqa, qa_em      QA exact match (qa.py) as Search-R1 EM, but a completion with no
+                                                                     tag is scored as a whole
     qa_f1                                     QA token F1 (qa.py)    best SQuAD F1 over the targets, in [0, 1]
     code, codecontests, apps, codeforces,
     taco, primeintellect                      code (code.py)         code_compute_score(solution_str,
@@ -39,7 +45,7 @@ from typing import Any, Callable
 
 from areal_like.data.demo_task import DEMO_DATA_SOURCE, demo_compute_score
 from areal_like.reward.math_score import last_boxed, math_compute_score
-from areal_like.reward.qa import qa_em_score, qa_f1_score
+from areal_like.reward.qa import qa_em_score, qa_f1_score, search_r1_score
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +110,17 @@ ScoreFn = Callable[[str, Any, "dict[str, Any] | None", float], Any]
 
 _GSM8K: ScoreFn = lambda s, gt, ei, fs: gsm8k_compute_score(s, gt, format_score=fs)
 _MATH: ScoreFn = lambda s, gt, ei, fs: math_compute_score(s, gt)
-_MATH_DAPO: ScoreFn = lambda s, gt, ei, fs: math_compute_score(s, gt, allow_answer_line=True)
+_MATH_DAPO: ScoreFn = lambda s, gt, ei, fs: math_compute_score(s, gt, answer_line=True)
 _QA_EM: ScoreFn = lambda s, gt, ei, fs: qa_em_score(s, gt, format_score=fs)
+_SEARCH_R1: ScoreFn = lambda s, gt, ei, fs: search_r1_score(s, gt, format_score=fs)
 _QA_F1: ScoreFn = lambda s, gt, ei, fs: qa_f1_score(s, gt)
 _CODE: ScoreFn = lambda s, gt, ei, fs: code_score(s, gt, ei)
 _EXACT: ScoreFn = lambda s, gt, ei, fs: exact_match_score(s, gt)
 
 CODE_DATA_SOURCES = ("code", "codecontests", "apps", "codeforces", "taco", "primeintellect")
-_QA_EM_SOURCES = ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
-                  "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle",
-                  "nq", "triviaqa", "popqa", "hotpotqa", "qa_em")
+SEARCH_R1_SOURCES = ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
+                     "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle")
+_QA_EM_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "qa_em")
 
 BUILTIN_REWARDS: dict[str, ScoreFn] = {
     "openai/gsm8k": _GSM8K,
@@ -121,9 +128,10 @@ BUILTIN_REWARDS: dict[str, ScoreFn] = {
     "lighteval/MATH": _MATH,
     "DigitalLearningGmbH/MATH-lighteval": _MATH,
     "HuggingFaceH4/MATH-500": _MATH,
-    "math": _MATH,
+    "math": _MATH_DAPO,  # verl routes "math" to math_dapo too
     "math_dapo": _MATH_DAPO,
     "math_dapo_reasoning": _MATH_DAPO,
+    **dict.fromkeys(SEARCH_R1_SOURCES, _SEARCH_R1),
     **dict.fromkeys(_QA_EM_SOURCES, _QA_EM),
     "qa_f1": _QA_F1,
     **dict.fromkeys(CODE_DATA_SOURCES, _CODE),

@@ -1,8 +1,11 @@
 """MATH-style answers checked with `math-verify` (symbolic equivalence: `\\frac{1}{2}` = `0.5` = `\\dfrac12`,
 `x=3` = `3`, `\\{1,2\\}` = `\\{2,1\\}`, `x^2+2x+1` = `(x+1)^2`, …).
 
-The completion's answer is its last `\\boxed{…}` (for DAPO/AIME-style sources also the text after the
-last "Answer:", DAPO's prompt format); no answer scores 0. Both sides are wrapped back in `\\boxed{}`
+The completion's answer is its last `\\boxed{…}` — for DAPO/AIME-style sources instead the text after
+the last "Answer:" (DAPO's prompt format; a `\\boxed{}` alone is no answer there, as in verl's
+math_dapo: the format is part of what those prompts train); no answer scores 0. Equivalence is
+math-verify's, more lenient than verl's string normalisation on notation only (`2,000` = `2000`,
+`1/2` = `0.5`). Both sides are wrapped back in `\\boxed{}`
 before parsing, as verl's math_verify scorer does, so math-verify reads exactly that answer and
 never a number from the working.
 
@@ -74,13 +77,15 @@ def last_boxed(s: str) -> str | None:
 _ANSWER_LINE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
 
-def extract_math_answer(solution_str: str, allow_answer_line: bool = False) -> str | None:
-    """The last \\boxed{} answer; with `allow_answer_line`, else the text after the last "Answer:"."""
+def extract_math_answer(solution_str: str, answer_line: bool = False) -> str | None:
+    """The last \\boxed{} answer; with `answer_line` (DAPO's format, as verl's math_dapo scores it) the
+    text after the last "Answer:" instead — a \\boxed{} alone is then no answer."""
     s = solution_str[-_CLIP_CHARS:]
-    ans = last_boxed(s)
-    if ans is None and allow_answer_line:
+    if answer_line:
         found = _ANSWER_LINE.findall(s)
         ans = found[-1].strip().strip("$").rstrip(".").strip() if found else None
+    else:
+        ans = last_boxed(s)
     return ans if ans else None
 
 
@@ -95,10 +100,10 @@ def math_equal(pred: str, ground_truth: str) -> bool:
     return bool(target) and verify(gold, target, timeout_seconds=None)
 
 
-def math_compute_score(solution_str: str, ground_truth: str, allow_answer_line: bool = False) -> float:
+def math_compute_score(solution_str: str, ground_truth: str, answer_line: bool = False) -> float:
     """1.0 if the completion's answer is equivalent to the ground truth, else 0.0 (verl's math scorer
     has no format credit; neither has this one)."""
-    pred = extract_math_answer(solution_str, allow_answer_line)
+    pred = extract_math_answer(solution_str, answer_line)
     if pred is None:
         return 0.0
     return 1.0 if math_equal(pred, str(ground_truth)) else 0.0

@@ -6,13 +6,13 @@
     parse_targets      ground truth → list of acceptable answers: a plain string, a JSON list, verl
                        Search-R1's {"target": [...]} (a dict, JSON, or the Python repr a parquet struct
                        becomes when the dataset loader str()s it)
-    qa_em_score        1.0 if the answer matches any target; format_score if the <answer> tag was there
-                       but the answer is wrong; 0.0 if there was no tag and the completion did not match
+    search_r1_score    verl's search_r1_like_qa_em (the searchR1_* data sources): 0 without an <answer>
+                       tag; 1.0 if the last tag's answer matches a target (÷ 4 when the completion holds
+                       more than 10 <answer> or </answer> tags); format_score if it does not
+    qa_em_score        our own sources (nq, triviaqa, popqa, hotpotqa, qa_em): as search_r1_score, except
+                       that a completion with no tag at all is scored as a whole (stripped) — for prompts
+                       that do not ask for the tag
     qa_f1_score        the best token F1 over the targets (no format credit: F1 already grades partly)
-
-One difference from verl: verl's solution_str includes the prompt, whose instructions show an example
-`<answer> Beijing </answer>`, so verl needs two matches; here solution_str is the completion only, so
-one tag is enough, and a completion with no tag at all is scored as a whole (stripped).
 This module knows nothing of processes or timeouts (fn.py runs it in the reward pool).
 """
 
@@ -93,6 +93,18 @@ def qa_em_score(solution_str: str, ground_truth: Any, format_score: float = 0.0,
     if answer is None:  # not well-formed: no format credit, but a bare correct answer still counts
         return score if em_check(solution_str.strip(), targets) else 0.0
     return score if em_check(answer, targets) else format_score
+
+
+def search_r1_score(solution_str: str, ground_truth: Any, format_score: float = 0.0, score: float = 1.0) -> float:
+    """verl's Search-R1 EM: the tag is required (a policy must not learn to skip the format), and a
+    completion spamming more than 10 answer tags keeps a quarter of the score."""
+    answer = extract_answer(solution_str)
+    if answer is None:
+        return 0.0
+    if not em_check(answer, parse_targets(ground_truth)):
+        return format_score
+    spam = solution_str.count("<answer>") > 10 or solution_str.count("</answer>") > 10
+    return score / 4 if spam else score
 
 
 def qa_f1_score(solution_str: str, ground_truth: Any) -> float:

@@ -15,7 +15,7 @@ SYSTEM = "write ```python code``` to compute, then answer as \\boxed{n}."
 
 
 def build(out: str, n: int) -> str:
-    return build_arithmetic(out, n, system=SYSTEM, question="compute {a}{op}{b}.", data_source="math")
+    return build_arithmetic(out, n, system=SYSTEM, question="compute {a}{op}{b}.", data_source="lighteval/MATH")
 
 
 if __name__ == "__main__":

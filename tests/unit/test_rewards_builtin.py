@@ -58,6 +58,15 @@ async def test_gsm8k_format_score_from_config_through_the_pool():
         RewardFn(format_score=float("nan"))
 
 
+def test_gsm8k_notation_forgiven_format_not():
+    """Numerically equal answers after "#### " count (verl compares strings: "2000.0" and "72." score
+    0 there); without the "#### <number>" format there is no answer, as in verl."""
+    for text, gt in (("#### 2,000", "2000"), ("#### 2000.0", "2000"), ("#### 72.", "72"), ("#### -3", "-3")):
+        assert default_compute_score("openai/gsm8k", text, gt) == 1.0, text
+    for text in ("#### $72", "The answer is 72", "####72"):
+        assert default_compute_score("openai/gsm8k", text, "72") == 0.0, text
+
+
 # ---- math-verify --------------------------------------------------------------------------------
 @pytest.mark.parametrize("completion, gt, want", [
     (r"so $\boxed{0.5}$", r"\frac{1}{2}", 1.0),
@@ -79,12 +88,15 @@ def test_math_verify_equivalences(completion, gt, want):
 
 
 def test_math_sources_and_dapo_answer_line():
-    for ds in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math"):
+    for ds in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
         assert default_compute_score(ds, r"\boxed{\frac{1}{2}}", "0.5") == 1.0
         assert default_compute_score(ds, "Answer: 0.5", "0.5") == 0.0  # MATH sources need \boxed{}
-    for ds in ("math_dapo", "aime24", "aime2025"):
+        assert default_compute_score(ds, r"\boxed{2,000}", "2000") == 1.0  # notation forgiven (verl: 0)
+    # verl's math_dapo family ("math" included): the "Answer:" line is the format being trained
+    for ds in ("math_dapo", "math_dapo_reasoning", "math", "aime24", "aime2025"):
         assert default_compute_score(ds, "work…\nAnswer: $\\frac{1}{2}$", "0.5") == 1.0
-        assert default_compute_score(ds, r"\boxed{17}", "17") == 1.0
+        assert default_compute_score(ds, "Answer: 17", "17") == 1.0
+        assert default_compute_score(ds, r"\boxed{17}", "17") == 0.0  # verl: −1, [INVALID]
         assert default_compute_score(ds, "Answer: 16", "17") == 0.0
 
 
@@ -124,6 +136,12 @@ def test_qa_ground_truth_forms():
                "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle", "nq", "triviaqa", "hotpotqa"):
         assert default_compute_score(ds, "<answer>the beatles</answer>", str({"target": want})) == 1.0
         assert default_compute_score(ds, "<answer>Queen</answer>", str({"target": want}), format_score=0.1) == 0.1
+    # verl's Search-R1 scorer: no tag, no score (the format is the signal); tag spam keeps a quarter
+    gt = str({"target": want})
+    assert default_compute_score("searchR1_nq", "the beatles", gt) == 0.0
+    assert default_compute_score("searchR1_nq", "<answer>x</answer> … <answer>the beatles</answer>", gt) == 1.0
+    assert default_compute_score("searchR1_nq", "<answer>x</answer>" * 11 + "<answer>Beatles</answer>", gt) == 0.25
+    assert default_compute_score("nq", "the beatles", gt) == 1.0  # our own names: a bare answer counts
     assert default_compute_score("qa_f1", "<answer>Beatles band</answer>", "Beatles") == pytest.approx(2 / 3)
 
 
