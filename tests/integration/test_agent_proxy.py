@@ -441,3 +441,32 @@ async def test_failing_agent_fails_the_group_and_closes_every_session(tok):
                 return 1.0
 
         assert await run_agent_group(context(client, tok, "grpG"), Idle(), proxy) is None
+
+
+async def test_builtin_openai_agent_tool_loop_with_qwen3_think_blocks(tmp_path):
+    """Qwen3's real tokenizer and template: a turn that thinks, then calls a tool in Qwen3's Hermes
+    format. The agent sends the conversation back as OpenAI messages; Qwen3's template re-renders the
+    think block and the call into exactly the generated tokens, so the session still exports as one
+    concat trajectory: the generated tokens trained, the tool result and template glue masked."""
+    from areal_like.data.tiny_model import copy_qwen3_tokenizer
+
+    tok = copy_qwen3_tokenizer(str(tmp_path / "qwen3"))
+    texts = ['<think>\nI need x.\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"key": "x"}}\n</tool_call>',
+             "<think>\nGot it.\n</think>\n\ndone"]
+    client, tools = ScriptedClient(tok, texts), StubTools()
+    row = record([{"role": "user", "content": "find x"}], tools_kwargs={"lookup": {"create_kwargs": {"a": 1}}})
+    gen = GenerationConfig(n=1, max_new_tokens=64)
+    async with AgentProxy(client, tok, gen, MT) as proxy:
+        ctx = context(client, tok, "grpQ", tools=tools, row=row, gen=gen)
+        trajs = await run_agent_group(ctx, OpenAIToolAgent(), proxy)
+    assert tools.calls == [("lookup", {"key": "x"}, {"lookup": {"create_kwargs": {"a": 1}}})]
+    # the final message as the agent got it: no reasoning parser, so the think block is in the content
+    # (SGLang without --reasoning-parser answers the same way)
+    assert ctx.reward.texts == [texts[1]]
+    (t,) = trajs  # one concat trajectory: every prompt extended the previous prompt + output
+    assert t.traj_id == "grpQ-0"
+    ids, mask = t.ids_np(), t.mask_np().astype(bool)
+    want = [tok.encode(x, add_special_tokens=False) + [tok.eos_token_id] for x in texts]
+    assert ids[mask].tolist() == want[0] + want[1]
+    obs = tok.decode(ids[t.prompt_len:][~mask[t.prompt_len:]].tolist(), skip_special_tokens=False)
+    assert obs == "\n<|im_start|>user\n<tool_response>\nvalue of x\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
