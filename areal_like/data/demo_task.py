@@ -168,6 +168,12 @@ DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERS
                    "demo:calc-train": "calc-train.parquet", "demo:calc-val": "calc-val.parquet"})
 
 
+# A real architecture (Qwen3-0.6B's config, random init, Qwen3's tokenizer) and gsm8k-style chat data:
+# areal_like/data/real_shape.py, benchmarks/real_shape_run.py.
+DEMO_NAMES.update({"demo:qwen3-0.6b-shape": "qwen3-0.6b-shape", "demo:gsm8k-style": "gsm8k-style-train.parquet",
+                   "demo:gsm8k-style-val": "gsm8k-style-val.parquet"})
+
+
 def demo_cache_dir() -> str:
     """Where demo assets live: `$AREAL_LIKE_CACHE/demo` (default ~/.cache/areal_like/demo)."""
     root = os.environ.get("AREAL_LIKE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "areal_like")
@@ -191,4 +197,13 @@ def resolve_demo_name(name: str, key: str) -> str:
         _agent_task.ensure_calc_agent(path)
     elif name in ("demo:calc-train", "demo:calc-val"):
         _agent_task.ensure_calc_data(path, "train" if name == "demo:calc-train" else "val")
+    elif name == "demo:qwen3-0.6b-shape":
+        from areal_like.data.real_shape import ensure_real_shape_model
+
+        ensure_real_shape_model(path)
+    elif name in ("demo:gsm8k-style", "demo:gsm8k-style-val") and not os.path.exists(path):
+        from areal_like.data.real_shape import build_gsm8k_style
+
+        val = name.endswith("-val")
+        build_gsm8k_style(path, n=64 if val else 2048, seed=DEMO_VAL_SEED if val else 0, split="val" if val else "train")
     return path
