@@ -32,6 +32,8 @@ import random
 import sys
 import time
 
+from areal_like.data.publish import write_parquet_atomic
+
 CALC_DATA_SOURCE = "exact"  # built-in exact match (areal_like/reward/builtin.py) of the last turn's text
 LO, HI = 32, 99  # factor range: 32*32 = 1024 … 99*99 = 9801, always four digits
 TOOL_NAME = "calculator"
@@ -76,7 +78,6 @@ def build_calc_task(out_path: str, n: int = 2048, seed: int = 0, split: str = "t
     """Write `n` questions (none in `exclude`) as verl-format parquet (prompt = chat messages,
     data_source "exact", reward_model.ground_truth = the product); temporary name + rename, like demo_task."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     rows = questions(n, seed, exclude)
     table = pa.table({
@@ -85,11 +86,7 @@ def build_calc_task(out_path: str, n: int = 2048, seed: int = 0, split: str = "t
         "reward_model": [{"ground_truth": v, "style": "rule"} for _, v in rows],
         "extra_info": [{"index": i, "split": split} for i in range(n)],
     })
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
-    pq.write_table(table, tmp)
-    os.replace(tmp, out_path)
-    return out_path
+    return write_parquet_atomic(table, out_path)
 
 
 # ---- the supervised warm start ------------------------------------------------------------------

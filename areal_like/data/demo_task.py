@@ -43,6 +43,7 @@ import os
 import random
 
 from areal_like.data import agent_task as _agent_task  # standard library only at import time
+from areal_like.data.publish import build_model_dir_atomic, write_parquet_atomic
 
 DEMO_DATA_SOURCE = "areal_like/demo"
 DIGITS = "0123456789"
@@ -81,7 +82,6 @@ def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: st
     Written to a temporary name and renamed, so a concurrent reader never sees a half-written file.
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     rng = random.Random(seed)
     rows = [make_example(rng, task=task) for _ in range(n_train)]
@@ -93,12 +93,7 @@ def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: st
             "extra_info": [{"index": i, "split": split} for i in range(n_train)],
         }
     )
-    d = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
-    pq.write_table(table, tmp)
-    os.replace(tmp, out_path)
-    return out_path
+    return write_parquet_atomic(table, out_path)
 
 
 # The model the demo's measured hyper-parameters were found with (examples/grpo_learnability.py).
@@ -132,30 +127,14 @@ def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, the
     tokens, a chat template with tools) in `model_dir` unless it has one. `then(tmp_dir)` runs on the
     fresh model before it is published (the agentic demo's warm start). Written to a temporary
     directory and renamed, so two launchers racing on first use never load a half-written model."""
-    if os.path.exists(os.path.join(model_dir, "config.json")):
-        return model_dir
-    import shutil
-    import tempfile
+    def build(tmp: str) -> None:
+        from areal_like.data.tiny_model import build_tiny_model
 
-    from areal_like.data.tiny_model import build_tiny_model
-
-    parent = os.path.dirname(os.path.abspath(model_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny_model.", dir=parent)
-    try:
         build_tiny_model(tmp, seed=seed, agent=agent, **DEMO_MODEL_KWARGS)
         if then is not None:
             then(tmp)
-        if os.path.isdir(model_dir) and not os.listdir(model_dir):
-            os.rmdir(model_dir)
-        try:
-            os.rename(tmp, model_dir)
-        except OSError:
-            if not os.path.exists(os.path.join(model_dir, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return model_dir
+
+    return build_model_dir_atomic(model_dir, build, prefix=".tiny_model.")
 
 
 # ---- demo names: the only paths the system builds itself ------------------------------------------

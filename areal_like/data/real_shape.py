@@ -17,8 +17,9 @@ renamed, like the other demo assets.
 
 from __future__ import annotations
 
-import os
 import random
+
+from areal_like.data.publish import build_model_dir_atomic, write_parquet_atomic
 
 # Qwen3-0.6B's config.json as published (Qwen/Qwen3-0.6B on the HF hub), dtype aside: fp32 here.
 QWEN3_0_6B: dict = dict(
@@ -77,7 +78,6 @@ def gsm8k_style_example(rng: random.Random) -> tuple[str, int]:
 def build_gsm8k_style(out_path: str, n: int = 512, seed: int = 0, split: str = "train") -> str:
     """`n` gsm8k-style chat prompts as verl-format parquet at `out_path`."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     rng = random.Random(seed)
     rows = [gsm8k_style_example(rng) for _ in range(n)]
@@ -87,32 +87,9 @@ def build_gsm8k_style(out_path: str, n: int = 512, seed: int = 0, split: str = "
         "reward_model": [{"ground_truth": str(a), "style": "rule"} for _, a in rows],
         "extra_info": [{"index": i, "split": split} for i in range(n)],
     })
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp.{os.getpid()}"
-    pq.write_table(table, tmp)
-    os.replace(tmp, out_path)
-    return out_path
+    return write_parquet_atomic(table, out_path)
 
 
 def ensure_real_shape_model(model_dir: str) -> str:
     """`build_real_shape_model` into `model_dir` unless it holds a model (temporary dir, then rename)."""
-    if os.path.exists(os.path.join(model_dir, "config.json")):
-        return model_dir
-    import shutil
-    import tempfile
-
-    parent = os.path.dirname(os.path.abspath(model_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".real_shape.", dir=parent)
-    try:
-        build_real_shape_model(tmp)
-        if os.path.isdir(model_dir) and not os.listdir(model_dir):
-            os.rmdir(model_dir)
-        try:
-            os.rename(tmp, model_dir)
-        except OSError:
-            if not os.path.exists(os.path.join(model_dir, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return model_dir
+    return build_model_dir_atomic(model_dir, build_real_shape_model, prefix=".real_shape.")
