@@ -175,7 +175,7 @@ class ModelRunner:
         if fp32_lm_head:  # --enable-fp32-lm-head (model.fp32_lm_head): the learner computes its logits the same way
             from areal_like.learner.logprobs import fp32_lm_head as _fp32
 
-            _fp32(self.model.lm_head)
+            _fp32(self.model.lm_head, cache_weight=True)  # cast once per weight update, not per step
         self.config = self.model.config
         # Qwen2-style models take masks per layer type (a dict skips their own mask building); others
         # (Llama) return a prepared 4D mask as-is from create_causal_mask.

@@ -20,30 +20,52 @@ def token_logprobs_from_logits(logits_BTV: torch.Tensor, targets_BT: torch.Tenso
     return logp.gather(-1, targets_BT.long().unsqueeze(-1)).squeeze(-1)
 
 
-def fp32_lm_head(head: torch.nn.Module) -> None:
+def fp32_lm_head(head: torch.nn.Module, *, cache_weight: bool = False) -> None:
     """Make `head` (an `nn.Linear` LM head) compute its logits in fp32 — input and weight upcast for
     the matmul, the stored weight unchanged (`model.fp32_lm_head`; SGLang's --enable-fp32-lm-head,
     PipelineRL's default): the learner and the embedded engine both call it, so a 16-bit model's
     logits stop carrying 16-bit rounding into the logprobs on either side. A vocab-parallel head
-    (parallel/vocab_parallel.py) takes `dtype = float32` instead."""
+    (parallel/vocab_parallel.py) takes `dtype = float32` instead.
+
+    `cache_weight` (the embedded engine: its weights change only through in-place `copy_` of a weight
+    update): keep the fp32 copy between calls, made again when the weight's version counter moves,
+    instead of casting the whole [V × H] matrix at every decode step. Calls that need the weight's
+    gradient always cast afresh."""
     if getattr(head, "vocab_parallel", False):
         head.dtype = torch.float32
         return
     if not isinstance(head, torch.nn.Linear):
         raise TypeError(f"model.fp32_lm_head: the LM head is a {type(head).__name__}, not an nn.Linear")
 
+    cache: list = [None, -1]  # the weight's fp32 copy, and the weight's version counter it was made at
+
+    def weight_fp32() -> torch.Tensor:
+        w = head.weight
+        if not cache_weight or (torch.is_grad_enabled() and w.requires_grad):
+            return w.float()  # in the graph: the gradient flows back to the stored weight
+        # an in-place copy (a weight update) bumps `_version`: a stale copy is never used
+        if cache[0] is None or cache[1] != w._version or cache[0].shape != w.shape:
+            cache[0], cache[1] = w.detach().float(), w._version
+        return cache[0]
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         bias = None if head.bias is None else head.bias.float()
-        return torch.nn.functional.linear(x.float(), head.weight.float(), bias)
+        return torch.nn.functional.linear(x.float(), weight_fp32(), bias)
 
     head.forward = forward  # type: ignore[method-assign]
+
+
+def effective_temperature(temperature: float) -> float:
+    """What logits are divided by: the temperature, except that below 1e-6 (greedy) it counts as 1."""
+    return temperature if temperature > 1e-6 else 1.0
 
 
 def _log_softmax_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The one definition: fp32 log_softmax of logits / temperature (temperature < 1e-6 counts as 1)."""
     z = logits.float()
-    if temperature > 1e-6 and temperature != 1.0:
-        z = z / temperature
+    t = effective_temperature(temperature)
+    if t != 1.0:
+        z = z / t
     return torch.log_softmax(z, dim=-1)
 
 

@@ -372,14 +372,20 @@ class StubTools:
         return Result()
 
 
-async def test_builtin_openai_agent_tool_loop(tok):
-    client = ScriptedClient(tok, ['<tool_call>{"name": "lookup", "arguments": {"key": "x"}}</tool_call>', "done"])
-    tools = StubTools()
+async def _run_builtin_agent(tok, texts, group_id):
+    """The built-in OpenAIToolAgent on "find x" through the proxy, the model's turns scripted."""
+    client, tools = ScriptedClient(tok, texts), StubTools()
     row = record([{"role": "user", "content": "find x"}], tools_kwargs={"lookup": {"create_kwargs": {"a": 1}}})
     gen = GenerationConfig(n=1, max_new_tokens=64)
     async with AgentProxy(client, tok, gen, MT) as proxy:
-        ctx = context(client, tok, "grpE", tools=tools, row=row, gen=gen)
+        ctx = context(client, tok, group_id, tools=tools, row=row, gen=gen)
         trajs = await run_agent_group(ctx, OpenAIToolAgent(), proxy)
+    return client, tools, ctx, trajs
+
+
+async def test_builtin_openai_agent_tool_loop(tok):
+    client, tools, ctx, trajs = await _run_builtin_agent(
+        tok, ['<tool_call>{"name": "lookup", "arguments": {"key": "x"}}</tool_call>', "done"], "grpE")
     assert tools.calls == [("lookup", {"key": "x"}, {"lookup": {"create_kwargs": {"a": 1}}})]
     assert ctx.reward.texts == ["done"]
     # turn 2's prompt: the chat template of the conversation the agent sent, with the tool result
@@ -453,12 +459,7 @@ async def test_builtin_openai_agent_tool_loop_with_qwen3_think_blocks(tmp_path):
     tok = copy_qwen3_tokenizer(str(tmp_path / "qwen3"))
     texts = ['<think>\nI need x.\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"key": "x"}}\n</tool_call>',
              "<think>\nGot it.\n</think>\n\ndone"]
-    client, tools = ScriptedClient(tok, texts), StubTools()
-    row = record([{"role": "user", "content": "find x"}], tools_kwargs={"lookup": {"create_kwargs": {"a": 1}}})
-    gen = GenerationConfig(n=1, max_new_tokens=64)
-    async with AgentProxy(client, tok, gen, MT) as proxy:
-        ctx = context(client, tok, "grpQ", tools=tools, row=row, gen=gen)
-        trajs = await run_agent_group(ctx, OpenAIToolAgent(), proxy)
+    client, tools, ctx, trajs = await _run_builtin_agent(tok, texts, "grpQ")
     assert tools.calls == [("lookup", {"key": "x"}, {"lookup": {"create_kwargs": {"a": 1}}})]
     # the final message as the agent got it: no reasoning parser, so the think block is in the content
     # (SGLang without --reasoning-parser answers the same way)

@@ -170,6 +170,11 @@ def test_fp32_lm_head_computes_the_logits_in_fp32(model_dir):
     h = torch.randn(2, hf(ln).config.hidden_size, dtype=torch.bfloat16)
     assert ln.actor.head(h).dtype == torch.float32 and "LM head fp32" in ln.precision_policy
     runner = ModelRunner(model_dir, dtype="bfloat16", fp32_lm_head=True)
-    assert runner.model.lm_head(h).dtype == torch.float32
+    with torch.no_grad():
+        y1 = runner.model.lm_head(h)
+        assert y1.dtype == torch.float32
+        # the engine keeps the fp32 copy between decode steps; a weight update must replace it
+        runner.load_weights({"lm_head.weight": runner.model.lm_head.weight.detach() * 2})
+        torch.testing.assert_close(runner.model.lm_head(h), 2 * y1)
     with pytest.raises(TypeError, match="fp32_lm_head"):
         fp32_lm_head(torch.nn.Identity())

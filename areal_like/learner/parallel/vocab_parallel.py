@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from areal_like.learner.logprobs import effective_temperature
+
 
 def vocab_rows(vocab: int, world: int, rank: int) -> tuple[int, int]:
     """[start, end) of the rows `rank` holds: `torch.chunk`'s split, as a `Shard(0)` DTensor's."""
@@ -109,14 +111,14 @@ class _Logprobs(torch.autograd.Function):
         h_all = _all_gather_rows(h_NH.contiguous(), sizes, group)
         tgt_all = _all_gather_rows(tgt_N.contiguous(), sizes, group)
         n = h_all.shape[0]
-        scale = 1.0 / temperature if temperature > 1e-6 and temperature != 1.0 else 1.0
+        temp = effective_temperature(temperature)
         w = w_local.to(cdt)
         lp_all = torch.zeros(n, dtype=torch.float32, device=dev)
         logz_all = torch.zeros(n, dtype=torch.float32, device=dev)
         ent_all = torch.zeros(n, dtype=torch.float32, device=dev) if with_entropy else None
         step = n if not chunk or chunk >= n else int(chunk)
         for s in range(0, n, max(step, 1)):
-            z = _logits(h_all[s:s + step], w, scale)
+            z = _logits(h_all[s:s + step], w, temp)
             tgt = tgt_all[s:s + step]
             m = (z.max(-1).values if z.shape[1] else torch.full((z.shape[0],), -math.inf, device=dev))
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -136,7 +138,7 @@ class _Logprobs(torch.autograd.Function):
                 ent_all[s:s + step] = logz - sums[2] / sums[0]  # −Σ p log p = log Z − Σ p z
             del z, e
         ctx.save_for_backward(h_all, tgt_all, logz_all, ent_all if ent_all is not None else logz_all, w_local)
-        ctx.meta = (sizes, rank, start, end, scale, step, with_entropy and entropy_grad, group, cdt)
+        ctx.meta = (sizes, rank, start, end, temp, step, with_entropy and entropy_grad, group, cdt)
         off = sum(sizes[:rank])
         lp = lp_all[off:off + sizes[rank]]
         ent = ent_all[off:off + sizes[rank]] if with_entropy else lp.new_zeros(0)
@@ -147,7 +149,7 @@ class _Logprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):  # noqa: D102
         h_all, tgt_all, logz_all, ent_all, w_local = ctx.saved_tensors
-        sizes, rank, start, end, scale, step, ent_grad, group, cdt = ctx.meta
+        sizes, rank, start, end, temp, step, ent_grad, group, cdt = ctx.meta
         dev = h_all.device
         n = h_all.shape[0]
         g_lp = g_lp if g_lp is not None else torch.zeros(sizes[rank], device=dev)
@@ -161,7 +163,7 @@ class _Logprobs(torch.autograd.Function):
         grad_h_all = torch.zeros(h_all.shape, dtype=torch.float32, device=dev)
         for s in range(0, n, max(step, 1)):
             h = h_all[s:s + step]
-            z = _logits(h, w, scale)
+            z = _logits(h, w, temp)
             p = torch.exp(z - logz_all[s:s + step].unsqueeze(1))
             g = g_lp_all[s:s + step]
             dz = p * (-g).unsqueeze(1)  # ∂ log p_t / ∂z = onehot(t) − p
@@ -172,7 +174,7 @@ class _Logprobs(torch.autograd.Function):
                 logp = z - logz_all[s:s + step].unsqueeze(1)
                 dz -= g_ent_all[s:s + step].unsqueeze(1) * p * (logp + ent_all[s:s + step].unsqueeze(1))
                 del logp
-            dz = (dz * scale).to(cdt)  # z = scale · (h Wᵀ)
+            dz = (dz / temp if temp != 1.0 else dz).to(cdt)  # z = h Wᵀ / T
             grad_w += (dz.t() @ h).float()
             grad_h_all[s:s + step] = (dz @ w).float()
             del z, p, dz
@@ -180,10 +182,22 @@ class _Logprobs(torch.autograd.Function):
         return grad_h.to(cdt), None, grad_w.to(w_local.dtype), None, None, None, None, None, None, None
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 logits of `h` against the local rows `w`, temperature-scaled (as `_log_softmax_fp32`)."""
+def _logits(h: torch.Tensor, w: torch.Tensor, temp: float) -> torch.Tensor:
+    """fp32 logits of `h` against the local rows `w`, divided by the temperature (as `_log_softmax_fp32`)."""
     z = (h @ w.t()).float()
-    return z * scale if scale != 1.0 else z
+    return z / temp if temp != 1.0 else z
+
+
+def _row_shard(rows: int, cols: int, mesh, *, dtype: torch.dtype, device) -> tuple[nn.Parameter, int, int]:
+    """An uninitialised [rows × cols] Parameter split by rows over `mesh` (a `Shard(0)` DTensor: this
+    rank's block only), and the [start, end) rows this rank holds."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    start, end = vocab_rows(rows, mesh.size(), mesh.get_local_rank())
+    local = torch.empty(end - start, cols, dtype=dtype, device=device)
+    param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(rows, cols),
+                                            stride=(cols, 1)))
+    return param, start, end
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -192,16 +206,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mesh, *, padding_idx: int | None,
                  dtype: torch.dtype, param_dtype: torch.dtype, device: torch.device) -> None:
-        from torch.distributed.tensor import DTensor, Shard
-
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.group = mesh.get_group()
-        self.start, self.end = vocab_rows(num_embeddings, mesh.size(), mesh.get_local_rank())
-        local = torch.empty(self.end - self.start, embedding_dim, dtype=param_dtype, device=device)
-        self.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                      shape=(num_embeddings, embedding_dim),
-                                                      stride=(embedding_dim, 1)))
+        self.weight, self.start, self.end = _row_shard(num_embeddings, embedding_dim, mesh, dtype=param_dtype,
+                                                       device=device)
         self.dtype = dtype  # what forward returns (model.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -251,12 +260,8 @@ def apply_vocab_parallel(stage, mesh, *, dtype: torch.dtype) -> set[nn.Parameter
         if tied:
             weight, start, end = vp.weight, vp.start, vp.end
         else:
-            from torch.distributed.tensor import DTensor, Shard
-
-            start, end = vocab_rows(head.out_features, mesh.size(), mesh.get_local_rank())
-            local = torch.empty(end - start, head.in_features, dtype=head.weight.dtype, device=head.weight.device)
-            weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                                     shape=tuple(head.weight.shape), stride=(head.in_features, 1)))
+            weight, start, end = _row_shard(head.out_features, head.in_features, mesh, dtype=head.weight.dtype,
+                                            device=head.weight.device)
             new.add(weight)
         hf.lm_head = VocabParallelHead(weight, start, end, mesh.get_group(), dtype)
     return new
