@@ -106,6 +106,11 @@ def add_long_tail_args(ap, *, requests: int, seed: int, length_shape: bool = Tru
         ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--seed", type=int, default=seed)
+    ap.add_argument("--model", default=None,
+                    help="model dir or demo: name (e.g. demo:qwen3-0.6b-shape) instead of the random Qwen2 "
+                         "of --hidden/--layers")
+    ap.add_argument("--device", default="cpu", help="the server's (and HF's) device: cpu, cuda")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
 def long_tail_setup(tmp: str, args):
@@ -113,7 +118,12 @@ def long_tail_setup(tmp: str, args):
     the options of `add_long_tail_args`.
 
     Returns (model_dir, prompts, lengths, server process, server URL); stop the server with `stop_server`."""
-    model_dir = build_model(os.path.join(tmp, "model"), args.hidden, args.layers)
+    if args.model:
+        from areal_like.data.demo_task import resolve_demo_name
+
+        model_dir = resolve_demo_name(args.model, "--model") if args.model.startswith("demo:") else args.model
+    else:
+        model_dir = build_model(os.path.join(tmp, "model"), args.hidden, args.layers)
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(model_dir))
@@ -121,5 +131,6 @@ def long_tail_setup(tmp: str, args):
                                 args.max_len, vocab)
     ctx = max(len(p) for p in prompts) + max(lengths) + 8
     proc, url = start_server(model_dir, os.path.join(tmp, "server.log"), "--max-context-len", str(ctx),
+                             "--device", args.device, "--dtype", args.dtype,
                              threads=args.threads, max_batch=args.requests)
     return model_dir, prompts, lengths, proc, url

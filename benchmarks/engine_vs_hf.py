@@ -16,6 +16,9 @@ GQA 4/2 heads, char tokenizer), fp32 on CPU.
 
 Usage: python benchmarks/engine_vs_hf.py [--requests 64] [--threads 1] [--hidden 256] [--layers 4]
        [--alpha 1.2] [--min-len 16] [--max-len 384] [--seed 0]
+       [--model demo:qwen3-0.6b-shape] [--device cuda] [--dtype bfloat16]
+`--model` replaces the random Qwen2 (a model dir or a `demo:` model: the prompts' ids are drawn from its
+vocabulary); `--device`/`--dtype` are the server's and HF's alike.
 The last line printed is `engine_vs_hf: <ratio>`.
 """
 
@@ -48,24 +51,28 @@ async def run_engine(url: str, prompts, lengths) -> tuple[int, float]:
     return sum(got), wall
 
 
-def run_hf(model_dir: str, prompts, lengths, threads: int) -> tuple[int, float, int]:
+def run_hf(model_dir: str, prompts, lengths, threads: int, device: str = "cpu",
+           dtype: str = "float32") -> tuple[int, float, int]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     T = max(len(p) for p in prompts)
-    ids = torch.tensor([[tok.pad_token_id] * (T - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts], device=device)
     steps = max(lengths)
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=steps, min_new_tokens=steps,
-              pad_token_id=tok.pad_token_id)
+              pad_token_id=pad)
     with torch.inference_mode():
         model.generate(input_ids=ids[:4, -8:], attention_mask=mask[:4, -8:], **{**kw, "max_new_tokens": 4,
                                                                                 "min_new_tokens": 4})  # warm-up
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        if out.is_cuda:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     assert out.shape[1] - T == steps
     return sum(lengths), wall, len(prompts) * steps
@@ -80,13 +87,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, prompts, lengths, proc, url = long_tail_setup(tmp, args)
         try:
-            uvloop.run(run_engine(url, prompts[:4], [4] * 4))  # warm-up
+            uvloop.run(run_engine(url, prompts[:4], [4] * len(prompts[:4])))  # warm-up
             e_tok, e_wall = uvloop.run(run_engine(url, prompts, lengths))
+            print(f"engine: {e_tok} tokens in {e_wall:.2f} s", flush=True)
         finally:
             stop_server(proc)
-        h_tok, h_wall, h_rows = run_hf(model_dir, prompts, lengths, args.threads)
+        h_tok, h_wall, h_rows = run_hf(model_dir, prompts, lengths, args.threads, args.device, args.dtype)
     lens = sorted(lengths)
-    print(f"model: qwen2 hidden {args.hidden}, {args.layers} layers, fp32 CPU, {args.threads} torch thread(s)")
+    what = args.model or f"qwen2 hidden {args.hidden}, {args.layers} layers"
+    print(f"model: {what}, {args.dtype} on {args.device}, {args.threads} torch thread(s)")
     print(f"requests: {args.requests}, output lengths min {lens[0]} median {lens[len(lens) // 2]} "
           f"max {lens[-1]} total {sum(lens)}")
     print(f"{'system':<34}{'wall s':>9}{'useful tok':>12}{'useful tok/s':>14}")

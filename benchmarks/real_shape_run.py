@@ -35,11 +35,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(run_dir: str, steps: int, overrides: list[str]) -> tuple[list[dict], float]:
+def run(run_dir: str, steps: int, overrides: list[str], env: dict | None = None) -> tuple[list[dict], float]:
     cmd = [sys.executable, "-m", "launcher", "run", "--config", "configs/real_shape.yaml", "--run-dir", run_dir,
            f"train.total_steps={steps}", *overrides]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-6000:])
@@ -71,7 +71,8 @@ def summary(name: str, rows: list[dict], nbytes: int, wall: float) -> dict:
            "mismatch_kl": [float(f"{r['mismatch_kl']:.3g}") for r in rows],
            "mismatch_ratio_outside": [round(r["mismatch_ratio_outside"], 4) for r in rows],
            "tokens_masked_or_capped": [r["behav_tokens_capped"] for r in rows],
-           "loss_tokens": [r["loss_tokens"] for r in rows]}
+           "loss_tokens": [r["loss_tokens"] for r in rows],
+           "learner_device_mem_peak_gib": [r.get("device_mem_peak_gib") for r in rows]}
     print(json.dumps(out), flush=True)
     out["abs_mean_raw"] = statistics.mean(r["mismatch_logp_abs_mean"] for r in rows)
     return out
@@ -81,15 +82,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--keep", default=None, help="keep the run dirs under this directory")
+    ap.add_argument("--device", default="cpu",
+                    help="server.device: cpu, or cuda (the learner then trains on CUDA too; with one visible GPU "
+                         "the server and the learner share it)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="more config overrides for both runs (e.g. train.batch_size=8 generation.max_new_tokens=256)")
     a = ap.parse_args()
     base = a.keep or tempfile.mkdtemp(prefix="real_shape.")
+    env = None
+    extra = [*a.overrides]
+    if a.device.startswith("cuda"):
+        extra.append(f"server.device={a.device}")
+        import torch
+
+        if torch.cuda.device_count() == 1:
+            # embedded.d1p1t1+d1p1t1 places the server on plan device 0 and the learner on plan device 1;
+            # plan device i is the i-th entry of the launcher's CUDA_VISIBLE_DEVICES: both map to the one GPU
+            # (the weights travel over gloo on the host, so no NCCL pair shares the device).
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES="0,0")
     print(f"Qwen3-0.6B shape (random init, Qwen3 tokenizer), fp32-master learner, 1 embedded server, "
-          f"{a.steps} steps of 2 groups x 2 samples x <= 32 new tokens, gsm8k-style chat prompts; CPU", flush=True)
+          f"{a.steps} steps (configs/real_shape.yaml{' + ' + ' '.join(extra) if extra else ''}), "
+          f"gsm8k-style chat prompts; {a.device}", flush=True)
     res = {}
     for name, ov, dtype_bytes in (("bf16 servers + icepop", ["server.dtype=bfloat16", "train.rejection_sampling=icepop"], 2),
                                   ("fp32 servers", ["server.dtype=float32"], 4)):
         d = os.path.join(base, name.split()[0])
-        rows, wall = run(d, a.steps, ov)
+        rows, wall = run(d, a.steps, [*extra, *ov], env)
         res[name] = summary(name, rows, push_bytes(d, dtype_bytes), wall)
     b = res["bf16 servers + icepop"]["abs_mean_raw"]
     f = res["fp32 servers"]["abs_mean_raw"]

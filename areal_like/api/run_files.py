@@ -126,6 +126,9 @@ class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
     loss_tokens: int
     skipped: bool
     incarnation: int
+    device_mem_peak_gib: float | None = None
+    """Learner rank 0's peak of allocated CUDA memory during the train step (GiB,
+    `torch.cuda.max_memory_allocated`, reset at the step's start); None on CPU."""
     time: float | None = None
     """Unix seconds when learner rank 0 made this row (the step's weights had landed); None in older files."""
     reward_failures: dict[str, int] = msgspec.field(default_factory=dict)

@@ -341,7 +341,7 @@ class Coordinator:
             behav_tokens_capped=stats["behav_tokens_capped"], kl_ref=stats["kl_ref"], entropy=stats["entropy"],
             mismatch_logp_abs_mean=stats["mismatch_logp_abs_mean"], mismatch_logp_abs_max=stats["mismatch_logp_abs_max"],
             mismatch_kl=stats["mismatch_kl"], mismatch_ratio_outside=stats["mismatch_ratio_outside"],
-            mismatch_tokens=stats["mismatch_tokens"],
+            mismatch_tokens=stats["mismatch_tokens"], device_mem_peak_gib=stats.get("device_mem_peak_gib"),
             value_loss=stats["value_loss"], adv_abs_mean=stats["adv_abs_mean"],
             optimizer_steps=stats["optimizer_steps"], loss_tokens=stats["loss_tokens"], skipped=stats["skipped"],
             incarnation=self.incarnation, time=time.time(), reward_failures=buffer_stats.get("reward_failures", {}),

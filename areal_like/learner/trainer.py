@@ -568,6 +568,8 @@ class Trainer:
         t0 = time.perf_counter()
         L, cfg = self.layout, self.cfg
         dev = self.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
         # 1. samples, rewards (+ overlong shaping), minibatches and this dp rank's share of each
         samples = [t for g in groups for t in g.trajectories]
         group_index_N = np.repeat(np.arange(len(groups)), [len(g.trajectories) for g in groups])
@@ -671,6 +673,8 @@ class Trainer:
             "num_minibatches": len(mbs), "version_lag_max": max_trained_staleness(groups, version, default=-1),
             "skipped": not applied, "skip_reason": skip_reason, "step": self.step,
             "step_s": time.perf_counter() - t0, "layout": str(L.spec),
+            # this rank's peak of allocated CUDA memory during the step (None on CPU)
+            "device_mem_peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
         }
 
     # ---- full tensors on rank 0 -------------------------------------------------------------------

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The real-shape figures on one CUDA GPU (issue 26): Qwen3-0.6B's published shape at random init with
+# Qwen3's tokenizer (demo:qwen3-0.6b-shape), in one short script so that a lent GPU's minutes go to
+# measuring. Each stage runs under its own time limit and writes its log to OUT_DIR; a failing stage
+# does not stop the next. Stages, in order:
+#
+#   learner     benchmarks/learner_overhead.py --model … --device cuda: the learner's train_step vs a
+#               plain transformers step (fp32, AdamW) on the same batch; peak CUDA memory of each
+#   engine      benchmarks/engine_vs_hf.py --model … --device cuda --dtype bfloat16: the embedded server
+#               (HTTP, logprobs, continuous batching) vs HF generate() on a long-tailed workload
+#   real_shape  benchmarks/real_shape_run.py --device cuda: `launcher run` of configs/real_shape.yaml with
+#               the server and the learner on the GPU (bf16 servers + IcePop, then fp32 servers): step
+#               time, push time of the 1.19 GB bf16 model, learner peak memory, mismatch metrics
+#
+# nvidia-smi samples the GPU's used memory and load every second into OUT_DIR/smi.csv meanwhile.
+#
+#     bash benchmarks/cuda_figures.sh OUT_DIR
+#
+# PYTHON (default python3) runs everything; it needs the project's dependencies and redis-server on PATH.
+set -u
+out=${1:?usage: bash benchmarks/cuda_figures.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=lo TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+model=${MODEL:-demo:qwen3-0.6b-shape}
+
+stages=" ${STAGES:-learner engine real_shape} "  # STAGES="engine" runs that one alone (the model is built first)
+stage() {  # stage NAME SECONDS CMD…: run CMD under a time limit, its output in OUT_DIR/NAME.log
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    [[ $name == model || $stages == *" $name "* ]] || return 0
+    echo "=== $name: $* ($(date +%T), limit ${limit}s)"
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: rc=$rc after $(( $(date +%s) - t0 )) s"
+    tail -n "${TAIL:-14}" "$out/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv -l 1 > "$out/smi.csv" 2>&1 &
+smi=$!
+trap 'kill $smi 2>/dev/null' EXIT
+
+stage model "${T_MODEL:-120}" "$py" -c "from areal_like.data.demo_task import resolve_demo_name; print(resolve_demo_name('$model', 'MODEL'))"
+stage learner "${T_LEARNER:-100}" "$py" benchmarks/learner_overhead.py --model "$model" --device cuda \
+    --groups 8 --n 4 --max-len 512 --steps 5
+stage engine "${T_ENGINE:-200}" "$py" benchmarks/engine_vs_hf.py --model "$model" --device cuda --dtype bfloat16 \
+    --requests 64 --max-len "${ENGINE_MAX_LEN:-256}" --min-len 32
+[[ $stages == *" real_shape "* ]] || exit 0
+runs=$(mktemp -d)
+TAIL=30 stage real_shape "${T_RUN:-290}" "$py" benchmarks/real_shape_run.py --device cuda --steps 3 --keep "$runs" \
+    --set train.batch_size=8 --set generation.n=4 --set generation.max_new_tokens=192 \
+    --set train.micro_batch_tokens=16384 --set train.logits_chunk_tokens=4096 --set server.max_batch_size=64
+# the runs' logs, configs and metrics in one file
+(cd "$runs" && tar -czf "$out/runs.tgz" --exclude='checkpoints' --exclude='weights_disk' -- */logs */metrics.jsonl */config.json) 2>/dev/null
