@@ -133,7 +133,7 @@ async def measure(args, urls: list[str], weights, log_dir: str) -> dict:
     try:
         for n in args.servers:
             pusher = WeightPusher(urls[:n], master_port=free_port(), backend="gloo", timeout_s=600,
-                                  group_name=f"wp_bench_{n}")
+                                  group_name=f"wp_bench_{n}", overlap_loads=not args.no_overlap)
             await pusher.init()
             bcast_s = [0.0]
             orig_bcast = pusher.group.broadcast
@@ -145,12 +145,17 @@ async def measure(args, urls: list[str], weights, log_dir: str) -> dict:
 
             pusher.group.broadcast = timed_bcast  # this instance only: isolates the collective's time
             ctl_s = [0.0]
+            srv = {"recv_s": 0.0, "load_s": 0.0}  # the servers' own per-bucket seconds (summed, per server)
             orig_post = pusher._post
 
             async def timed_post(url, path, body, _orig=orig_post, **kw):
                 t = time.perf_counter()
                 try:
-                    return await _orig(url, path, body, **kw)
+                    reply = await _orig(url, path, body, **kw)
+                    if path == "/update_weights_from_distributed" and isinstance(reply, dict):
+                        for k in srv:
+                            srv[k] += float(reply.get(k, 0.0)) / n
+                    return reply
                 finally:
                     if path != "/update_weights_from_distributed":  # those overlap the broadcast
                         ctl_s[0] += time.perf_counter() - t
@@ -164,16 +169,18 @@ async def measure(args, urls: list[str], weights, log_dir: str) -> dict:
                     pusher.bucket_bytes = bb
                     rows = []
                     for r in range(args.rounds + 1):  # round 0 warms both paths up, not counted
-                        flat_s[0] = bcast_s[0] = ctl_s[0] = 0.0
+                        flat_s[0] = bcast_s[0] = ctl_s[0] = srv["recv_s"] = srv["load_s"] = 0.0
                         version += 1
                         st = await pusher.push(weights, version)
                         raw_s = raw.round(sizes, raw_bufs)
                         if r:
-                            rows.append((st["push_s"], bcast_s[0], flat_s[0], raw_s, ctl_s[0] / n))
+                            rows.append((st["push_s"], bcast_s[0], flat_s[0], raw_s, ctl_s[0] / n,
+                                         srv["recv_s"], srv["load_s"]))
                     del raw_bufs
                     med = [statistics.median(col) for col in zip(*rows)]
                     res[(n, bb)] = {"bytes": st["bytes"], "buckets": st["buckets"], "push_s": med[0],
                                     "bcast_s": med[1], "flat_s": med[2], "raw_s": med[3], "ctl_s": med[4],
+                                    "srv_recv_s": med[5], "srv_load_s": med[6],
                                     "ratio": statistics.median(rw[3] / rw[0] for rw in rows),
                                     "ratios": [rw[3] / rw[0] for rw in rows]}
             finally:
@@ -193,6 +200,8 @@ def main() -> None:
     ap.add_argument("--servers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--figure-bucket-mib", type=float, default=64)
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="wait for every server's load of a bucket before the next broadcast (overlap_loads=False)")
     ap.add_argument("--raw-receiver", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--raw-world", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--raw-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -229,16 +238,20 @@ def main() -> None:
     print(f"model: qwen2 hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
           f"{len(weights)} tensors, {mb:.1f} MB fp32; gloo on loopback; {args.rounds} rounds, medians")
     print(f"{'servers':>7}{'bucket MiB':>11}{'buckets':>8}{'push s':>8}{'bcast s':>8}{'flat s':>7}{'ctl s':>7}"
-          f"{'rest s':>7}{'raw s':>7}{'push MB/s':>10}{'bcast MB/s':>11}{'raw MB/s':>9}{'ratio':>7}  (min–max)")
+          f"{'rest s':>7}{'raw s':>7}{'srv recv':>9}{'srv load':>9}{'push MB/s':>10}{'bcast MB/s':>11}{'raw MB/s':>9}"
+          f"{'ratio':>7}  (min–max)")
     for (n, bb), r in res.items():
         b = r["bytes"] / 1e6
         print(f"{n:>7}{bb / 2**20:>11.0f}{r['buckets']:>8}{r['push_s']:>8.3f}{r['bcast_s']:>8.3f}{r['flat_s']:>7.3f}{r['ctl_s']:>7.3f}"
-              f"{r['push_s'] - r['bcast_s'] - r['flat_s'] - r['ctl_s']:>7.3f}{r['raw_s']:>7.3f}{b / r['push_s']:>10.0f}{b / r['bcast_s']:>11.0f}{b / r['raw_s']:>9.0f}"
+              f"{r['push_s'] - r['bcast_s'] - r['flat_s'] - r['ctl_s']:>7.3f}{r['raw_s']:>7.3f}"
+              f"{r['srv_recv_s']:>9.3f}{r['srv_load_s']:>9.3f}{b / r['push_s']:>10.0f}{b / r['bcast_s']:>11.0f}{b / r['raw_s']:>9.0f}"
               f"{r['ratio']:>7.2f}  ({min(r['ratios']):.2f}–{max(r['ratios']):.2f})")
     print("push s = WeightPusher.push end to end (pause … continue); bcast s = its broadcast calls alone; "
           "flat s = its flatten copies; ctl s = pause/begin/end/continue HTTP (per server); rest s = the "
           "remainder (per bucket: waiting for each server's unflatten + load_weights + HTTP reply); "
-          "raw s = raw gloo broadcast of the same bucket sizes")
+          "raw s = raw gloo broadcast of the same bucket sizes; srv recv / srv load = the servers' own seconds "
+          "in the receive (from its call, so it includes waiting for the broadcast) and in load_weights, "
+          "summed over buckets (mean over servers)")
     worst = min(res.items(), key=lambda kv: kv[1]["ratio"])
     print(f"worst cell: {worst[0][0]} server(s), {worst[0][1] / 2**20:.0f} MiB buckets: {worst[1]['ratio']:.2f}")
     fig = res.get((1, int(args.figure_bucket_mib * 2**20)), worst[1])

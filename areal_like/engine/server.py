@@ -95,6 +95,7 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 # SGLang's ADMIN_OPTIONAL level (sglang/srt/utils/auth.py): the admin key when one is set, else the api
 # key, else open. /abort_request is on it in SGLang (≥ 0.5.2x), per-rid aborts included: a rid is no
 # secret (rids are guessable and prefix-matched), so an api-key holder must not abort others' requests.
+RECV_SLOTS = 2  # receive buffers per weight group: bucket k+1 arrives while bucket k loads
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
                "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request"}
@@ -180,6 +181,11 @@ class GenerationServer:
         self.receiver = WeightReceiver(args.device)
         self.rng = random.Random(args.random_seed)
         self.update_lock = asyncio.Lock()
+        # update_weights_from_distributed overlaps bucket k's load (engine thread) with bucket k+1's receive:
+        # per group, the loads of the update in flight (checked by the bucket that sets the version) and
+        # the receive count (bucket k receives into buffer k % RECV_SLOTS, free once its last load ended)
+        self._group_loads: dict[str, list[asyncio.Future]] = {}
+        self._group_received: dict[str, int] = {}
         self.started = time.time()
         self.queued_tokens = 0  # Σ Job.cost of the requests being served (admission budget)
         # Text prompts are tokenized here, off the event loop (a fast tokenizer releases the GIL).
@@ -884,39 +890,74 @@ class GenerationServer:
         except (KeyError, TypeError) as e:
             raise BadRequest(f"bad update_weights_from_distributed body: {e!r}")
         group_name = str(b.get("group_name") or "weight_update_group")
-        async with self.update_lock:
+        loads = self._group_loads.setdefault(group_name, [])
+        async with self.update_lock:  # receives in arrival order: the broadcasts' order
             if b.get("abort_all_requests"):
                 self.scheduler.abort(abort_all=True, message="aborted for weight update")
             t0 = time.perf_counter()
+            k = self._group_received.get(group_name, 0)
+            if len(loads) >= RECV_SLOTS:  # the load that last read buffer k % RECV_SLOTS must be done
+                await asyncio.wait([loads[-RECV_SLOTS]])
             try:
                 if self.runner.device.type == "cuda":
                     torch.cuda.set_device(self.runner.device)
                 named = await asyncio.to_thread(self.receiver.receive, group_name=group_name, names=names,
-                                                dtypes=dtypes, shapes=shapes, load_format=b.get("load_format"))
-                # Loads run on the engine thread: between two decode steps, all or nothing.
-                await self.scheduler.run_on_engine(self.runner.load_weights, named)
+                                                dtypes=dtypes, shapes=shapes, load_format=b.get("load_format"),
+                                                slot=k % RECV_SLOTS)
             except Exception as e:
                 log.error("update_weights_from_distributed failed: %s", e)
                 return web.json_response({"success": False, "message": str(e)})
-            if b.get("weight_version") is not None:
-                self._set_version(str(b["weight_version"]))
-            metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
-            # SGLang's rule: `flush_cache` (default true) flushes after the load, and a flush refused
-            # because requests still run fails the update. No prefix cache here, but the same answer.
-            # (Requests held by the pause are not running: SGLang's tokenizer holds those too.)
-            if b.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
+            self._group_received[group_name] = k + 1
+            t_recv = time.perf_counter()
+            # Loads run on the engine thread (FIFO): between two decode steps, all or nothing per bucket.
+            load = asyncio.ensure_future(self.scheduler.run_on_engine(self.runner.load_weights, named))
+            loads.append(load)
+        # Outside the lock: the next bucket is received while this one loads.
+        try:
+            await load
+        except Exception as e:
+            log.error("update_weights_from_distributed failed: %s", e)
+            return web.json_response({"success": False, "message": str(e)})
+        t_load = time.perf_counter()
+        if b.get("weight_version") is not None:
+            # The last bucket of an update: every bucket of it must have landed before the version moves
+            # (the executor is FIFO, so they have finished; one that failed fails the update).
+            done = self._end_group_update(group_name)
+            failed = [f.exception() for f in done if f.exception() is not None]
+            if failed:
                 return web.json_response({"success": False, "message": (
-                    "Weights were updated, but the cache was not flushed because requests are still running "
-                    "or queued. Retract or finish them, then call /flush_cache.")})
-        return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
+                    f"an earlier bucket of this update failed to load, the version stays "
+                    f"{self.scheduler.weight_version}: {failed[0]}")})
+            self._set_version(str(b["weight_version"]))
+        metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
+        # SGLang's rule: `flush_cache` (default true) flushes after the load, and a flush refused
+        # because requests still run fails the update. No prefix cache here, but the same answer.
+        # (Requests held by the pause are not running: SGLang's tokenizer holds those too.)
+        if b.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
+            return web.json_response({"success": False, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still running "
+                "or queued. Retract or finish them, then call /flush_cache.")})
+        # recv_s/load_s: beyond SGLang's reply, where this server's time went (the receive includes the
+        # wait for the trainer's broadcast to start; the load, the wait for earlier buckets' loads)
+        return web.json_response({"success": True, "message": f"updated {len(names)} tensors",
+                                  "recv_s": t_recv - t0, "load_s": t_load - t_recv})
+
+    def _end_group_update(self, group_name: str) -> list[asyncio.Future]:
+        """Forget the update in flight on `group_name`; its load futures (all done once the last one is)."""
+        self._group_received.pop(group_name, None)
+        return self._group_loads.pop(group_name, [])
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         b = await self._json(request)
         name = str(b.get("group_name") or "weight_update_group")
-        try:
-            await asyncio.to_thread(self.receiver.destroy, name)
-        except Exception as e:
-            return web.json_response({"success": False, "message": str(e)})
+        async with self.update_lock:
+            loads = self._end_group_update(name)
+            if loads:  # its receive buffers go with the group: no load may still read them
+                await asyncio.wait(loads)
+            try:
+                await asyncio.to_thread(self.receiver.destroy, name)
+            except Exception as e:
+                return web.json_response({"success": False, "message": str(e)})
         return web.json_response({"success": True, "message": f"destroyed group {name!r}"})
 
     async def update_disk(self, request: web.Request) -> web.Response:

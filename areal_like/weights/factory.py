@@ -40,5 +40,7 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
             backend=endpoints.weight_backend, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
             timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
             devices_per_server=devices, group_name=f"weight_update_group_{incarnation}", dtype=dtype,
+            # our embedded servers receive bucket k+1 while they load bucket k; SGLang (NCCL) does not
+            overlap_loads=endpoints.weight_backend != "nccl",
         )
     raise ValueError(f"weights.mode={mode!r}: use 'distributed' or 'disk'")

@@ -7,6 +7,11 @@ One push (PROTOCOL.md "Order of one update"):
                                         collect the replies  — at most one bucket in flight
                  ──► /flush_cache all (once) ──► continue all
 ```
+With `overlap_loads` (our embedded servers) the replies of a bucket are not awaited before the next
+bucket's broadcast: a server loads bucket k into its model while it receives bucket k+1 (into its
+second receive buffer), so its load no longer sits between two broadcasts. Every reply is collected
+before `/end_weight_update`, and a failure is raised as soon as it arrives. SGLang loads each bucket in
+its scheduler before it receives the next one: nothing to overlap, the pusher waits per bucket.
 The HTTP calls that block on the group (init, each update) are sent first and awaited last, because
 each server answers only after the collective it is waiting for. Blocking torch.distributed work
 runs on a thread so the event loop keeps serving the other HTTP replies. This module does not decide
@@ -92,8 +97,9 @@ class WeightPusher(ServerAdmin):
                  backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
                  admin_api_key: str | None = None, group_name: str = "weight_update_group",
                  devices_per_server: list[int] | None = None, flattened: bool = True,
-                 dtype: str | torch.dtype | None = None):
+                 dtype: str | torch.dtype | None = None, overlap_loads: bool = False):
         super().__init__(server_urls, timeout_s=timeout_s, admin_api_key=admin_api_key)
+        self.overlap_loads = overlap_loads
         # The servers' dtype (`server.dtype`): floating-point tensors are cast to it in the bucket, so
         # the wire carries what the servers hold. None = push every tensor in its own dtype.
         self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -115,14 +121,15 @@ class WeightPusher(ServerAdmin):
         self._collective: asyncio.Future | None = None  # the collective thread of the last call, if any
 
     # ---------------------------------------------------------------- collectives
-    async def _with_collective(self, http: list[asyncio.Task], collective) -> list:
+    async def _with_collective(self, http: list[asyncio.Task], collective, *, replies: bool = True) -> list:
         """Run the blocking collective on a thread while the servers' replies are pending; an early
-        HTTP failure is raised at once instead of after the collective's timeout."""
+        HTTP failure is raised at once instead of after the collective's timeout. `replies=False`:
+        return once the collective is done, leaving the replies pending (still watched till then)."""
         coll = self._collective = asyncio.ensure_future(asyncio.to_thread(collective))
         coll.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no "never retrieved" noise
         pending = {coll, *http}
         try:
-            while pending:
+            while coll in pending or (replies and pending):
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for d in done:
                     try:
@@ -137,7 +144,7 @@ class WeightPusher(ServerAdmin):
             # The collective thread cannot be interrupted; it ends at the group's timeout (`reform`
             # waits for it before it destroys the group).
             raise
-        return [t.result() for t in http]
+        return [t.result() for t in http] if replies else []
 
     # ---------------------------------------------------------------- API
     async def init(self) -> None:
@@ -236,6 +243,7 @@ class WeightPusher(ServerAdmin):
         await self._all("/pause_generation", {"mode": "abort"})
         t_paused = time.perf_counter()
         await self._begin_or_end("/begin_weight_update")
+        unanswered: list[asyncio.Future] = []  # overlap_loads: the replies of earlier buckets
         for i, idx in enumerate(buckets):
             last = i == len(buckets) - 1
             if self.flattened and next_flat is None:  # one buffer: fill this bucket after the last one left
@@ -272,7 +280,12 @@ class WeightPusher(ServerAdmin):
                     for n, t in src.open(idx):  # cast one tensor at a time, right before it is sent
                         self.group.broadcast(t.detach().to(wire_dtype(t, dt)).contiguous(), 0, what=f"tensor {n!r}")
                         del t
-            await self._with_collective(http, coll)
+            if self.overlap_loads:
+                unanswered += http
+                await self._with_collective(unanswered, coll, replies=last)
+                unanswered = [t for t in unanswered if not t.done()]  # the done ones were checked
+            else:
+                await self._with_collective(http, coll)
         await self._begin_or_end("/end_weight_update")
         # One cache flush per update, before continue: SGLang keeps finished and aborted requests'
         # prefixes in its radix cache, so a resubmitted prefix would continue on the old weights' KV

@@ -68,10 +68,11 @@ class WeightReceiver:
         self.device = torch.device(device)
         self.num_devices = num_devices  # this server's ranks in the group (1: no tensor parallel here)
         self.groups: dict[str, WeightGroup] = {}
-        # One grow-only receive buffer per group: fresh multi-MiB buffers per bucket cost page faults
-        # and zeroing while the trainer waits. Reuse is safe: one bucket is in flight at a time and
-        # the engine copies the tensors out before the server replies to that bucket.
-        self._bufs: dict[str, torch.Tensor] = {}
+        # Grow-only receive buffers per (group, slot): fresh multi-MiB buffers per bucket cost page
+        # faults and zeroing while the trainer waits. The caller picks the slot and reuses one only
+        # after the engine copied the tensors of its last bucket out (the server: bucket k+1 is
+        # received into the other slot while bucket k loads).
+        self._bufs: dict[tuple[str, int], torch.Tensor] = {}
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> WeightGroup:
@@ -84,8 +85,9 @@ class WeightReceiver:
         return group
 
     def receive(self, *, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                load_format: str | None) -> dict[str, torch.Tensor]:
-        """Receive one update's tensors (blocking). Per name, or one flattened uint8 bucket."""
+                load_format: str | None, slot: int = 0) -> dict[str, torch.Tensor]:
+        """Receive one update's tensors (blocking). Per name, or one flattened uint8 bucket (into the
+        group's buffer `slot`: the returned tensors are views of it until that slot is received into again)."""
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"no weight group {group_name!r}: call /init_weights_update_group first")
@@ -96,9 +98,9 @@ class WeightReceiver:
         device = torch.device("cpu") if group.backend == "gloo" else self.device
         if load_format == "flattened_bucket":
             nbytes = bucket_nbytes(dts, shapes)
-            big = self._bufs.get(group_name)
+            big = self._bufs.get((group_name, slot))
             if big is None or big.numel() < nbytes or big.device != device:
-                big = self._bufs[group_name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                big = self._bufs[(group_name, slot)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
             buf = big[:nbytes]
             group.broadcast(buf, 0, what=f"a flattened bucket of {len(names)} tensors ({buf.numel()} bytes)")
             return unflatten_bucket(buf, names, dts, shapes)
@@ -113,7 +115,8 @@ class WeightReceiver:
 
     def destroy(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
-        self._bufs.pop(group_name, None)
+        for key in [k for k in self._bufs if k[0] == group_name]:
+            del self._bufs[key]
         if group is None:
             raise ValueError(f"no weight group {group_name!r}")
         group.destroy()

@@ -157,11 +157,11 @@ async def test_restarted_server_is_resynced_distributed(engine_servers, tiny_mod
         collective = coord.pusher._with_collective
         calls = []
 
-        async def kill_at_bucket_4(http, coll):
+        async def kill_at_bucket_4(http, coll, **kw):
             calls.append(1)
             if len(calls) == 4:
                 asyncio.get_running_loop().call_later(0.003, os.kill, servers[0].proc.pid, signal.SIGKILL)
-            return await collective(http, coll)
+            return await collective(http, coll, **kw)
 
         coord.pusher._with_collective = kill_at_bucket_4
         push = asyncio.ensure_future(coord.push(list(m4.state_dict().items()), 4))

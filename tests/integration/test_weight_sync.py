@@ -13,7 +13,7 @@ import torch
 
 from areal_like.engine.client import GenerationClient
 from areal_like.learner.logprobs import token_logprobs_from_logits
-from areal_like.weights import WeightPusher
+from areal_like.weights import WeightPusher, WeightPushError
 
 from conftest import free_port
 from _weights import base_model, perturbed  # noqa: F401 (base_model: a fixture)
@@ -73,8 +73,10 @@ async def test_push_lands_on_every_server(servers, base_model):
     pusher = new_pusher(servers)
     await pusher.init()
     try:
-        for version, flattened in ((1, True), (2, False)):  # one flattened bucket per call, then per-name
-            pusher.flattened = flattened
+        # flattened buckets, then per-name, then flattened with the servers' loads overlapping the next
+        # bucket's receive (what the factory picks for embedded servers)
+        for version, flattened, overlap in ((1, True, False), (2, False, False), (3, True, True)):
+            pusher.flattened, pusher.overlap_loads = flattened, overlap
             new = perturbed(base_model, seed=version)
             named = list(new.state_dict().items())
             t = await pusher.push(named, version=version)
@@ -89,7 +91,33 @@ async def test_push_lands_on_every_server(servers, base_model):
                 assert (lps - local_logprobs(base_model, prompt, out)).abs().mean() > 1e-3  # really new weights
         async with aiohttp.ClientSession() as s:
             async with s.get(servers[0].url + "/metrics") as r:
-                assert "areal_like_server_weight_version 2.0" in await r.text()
+                assert "areal_like_server_weight_version 3.0" in await r.text()
+    finally:
+        await pusher.close()
+
+
+async def test_overlapped_push_with_a_bad_early_bucket_keeps_the_version(servers, base_model):
+    """overlap_loads: bucket 0 fails to load on the servers while later buckets are already on the
+    wire. The push fails naming the cause, no server reports the new version (their last bucket
+    succeeded, but an update is all its buckets), and after a re-form the next push lands."""
+    prompt = [5, 9, 13, 17]
+    pusher = new_pusher(servers, bucket_bytes=4 << 10, overlap_loads=True)
+    await pusher.init()
+    try:
+        good = perturbed(base_model, seed=20)
+        await pusher.push(list(good.state_dict().items()), version=20)
+        bad = [("model.not_a_parameter", torch.zeros(8))] + list(perturbed(base_model, seed=21).state_dict().items())
+        with pytest.raises(WeightPushError, match="unknown parameter names"):
+            await pusher.push(bad, version=21)
+        for srv in servers:
+            st, info = await call("GET", srv.url, "/model_info")
+            assert info["weight_version"] == "20"
+        await pusher.reform()
+        new = perturbed(base_model, seed=22)
+        await pusher.push(list(new.state_dict().items()), version=22)
+        for srv in servers:
+            out, lps, v = await sample(srv.url, prompt)
+            assert v == "22" and (lps - local_logprobs(new, prompt, out)).abs().mean() <= 1e-4
     finally:
         await pusher.close()
 
