@@ -52,6 +52,9 @@ class OpenAIToolAgent:
                 final_text = msg.content or ""
                 calls = list(msg.tool_calls or [])
                 assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
+                reasoning = getattr(msg, "reasoning_content", None)  # the proxy's reasoning parser (SGLang's field)
+                if isinstance(reasoning, str):
+                    assistant["reasoning_content"] = reasoning  # templates that re-render it (Qwen3) need it
                 if calls:
                     assistant["tool_calls"] = [{"id": c.id, "type": "function",
                                                 "function": {"name": c.function.name,

@@ -38,6 +38,8 @@ What differs from OpenAI, on purpose:
   strings (the recorded tokens must be exactly the generated ones: end turns with EOS or
   `generation.stop_token_ids`), `top_logprobs` > 0, `echo`, `suffix`, non-text `response_format`, and
   `tool_choice` that forces a call. Other unknown fields are ignored.
+- With `rollout.multi_turn.reasoning_parser` (SGLang's names: qwen3, deepseek-r1) a reply's think block
+  goes to `message.reasoning_content` (agent/reasoning.py) and tool calls are parsed from the rest.
 - Tool calls are parsed from the Hermes format (`<tool_call>{json}</tool_call>`, workflow/tool_parser.py)
   into `message.tool_calls` (finish_reason `tool_calls`); a malformed call stays in `content` as the
   model wrote it and is described in the extension field `message.tool_call_errors`.
@@ -92,6 +94,7 @@ from aiohttp import web
 
 from areal_like.api.config import GenerationConfig, MultiTurnConfig
 from areal_like.api.trajectory import Trajectory
+from areal_like.agent.reasoning import split_reasoning
 from areal_like.workflow.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tool_calls
 
 log = logging.getLogger(__name__)
@@ -452,6 +455,8 @@ class AgentProxy:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
                                                                      for m in messages):
             raise _bad("'messages' must be a non-empty list of objects with a 'role'", param="messages")
+        if not isinstance(body.get("separate_reasoning", True), bool):
+            raise _bad("separate_reasoning must be true or false", param="separate_reasoning")
         tools = body.get("tools") or None
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise _bad("'tools' must be a list of tool objects", param="tools")
@@ -465,9 +470,14 @@ class AgentProxy:
                        param="messages") from None
         c, overridden = await self._generate(s, prompt_ids, body, "chatcmpl-", "messages",
                                              messages=messages, tools=tools)
-        content, calls, errors = _split_tool_calls(c.text, id_prefix=f"call_{c.id[-8:]}_{c.seq}")
+        text, reasoning = c.text, None
+        if self.multi_turn.reasoning_parser and body.get("separate_reasoning", True) is not False:
+            reasoning, text = split_reasoning(text, self.multi_turn.reasoning_parser)
+        content, calls, errors = _split_tool_calls(text, id_prefix=f"call_{c.id[-8:]}_{c.seq}")
         finish = "tool_calls" if calls else c.finish_reason
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [t.to_openai() for t in calls]
         if errors:
@@ -479,6 +489,8 @@ class AgentProxy:
         reply = self._envelope(c, body, "chat.completion", choice, overridden)
         if body.get("stream"):
             delta = {"role": "assistant", "content": content}
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
             if calls:
                 delta["tool_calls"] = [{"index": i, **t.to_openai()} for i, t in enumerate(calls)]
             first = {**choice, "delta": delta, "finish_reason": None}

@@ -128,6 +128,13 @@ class MultiTurnConfig(_Section):
     turn_discount: float = 1.0
     """An agent's episode reward reaches earlier completions discounted by this per turn (AReaL); 1 = the
     same reward for every completion."""
+    reasoning_parser: Literal["qwen3", "deepseek-r1"] | None = None
+    """The agent proxy's reasoning parser, by SGLang's `--reasoning-parser` names: a chat reply's think
+    block goes to `message.reasoning_content` and `content` keeps what follows it; tool calls are parsed
+    from the content only. A request may turn it off with SGLang's `"separate_reasoning": false`. The
+    built-in `openai_agent` sends `reasoning_content` back with the assistant turn, so templates that
+    re-render it (Qwen3's) rebuild the generated tokens. None = think blocks stay in the content, as
+    generated. The trained tokens are the generated ones either way."""
 
 
 class RolloutConfig(_Section):

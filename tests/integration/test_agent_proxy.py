@@ -8,6 +8,7 @@ import textwrap
 
 import aiohttp
 import numpy as np
+import msgspec
 import openai
 import pytest
 
@@ -372,12 +373,12 @@ class StubTools:
         return Result()
 
 
-async def _run_builtin_agent(tok, texts, group_id):
+async def _run_builtin_agent(tok, texts, group_id, mt=MT):
     """The built-in OpenAIToolAgent on "find x" through the proxy, the model's turns scripted."""
     client, tools = ScriptedClient(tok, texts), StubTools()
     row = record([{"role": "user", "content": "find x"}], tools_kwargs={"lookup": {"create_kwargs": {"a": 1}}})
     gen = GenerationConfig(n=1, max_new_tokens=64)
-    async with AgentProxy(client, tok, gen, MT) as proxy:
+    async with AgentProxy(client, tok, gen, mt) as proxy:
         ctx = context(client, tok, group_id, tools=tools, row=row, gen=gen)
         trajs = await run_agent_group(ctx, OpenAIToolAgent(), proxy)
     return client, tools, ctx, trajs
@@ -471,3 +472,54 @@ async def test_builtin_openai_agent_tool_loop_with_qwen3_think_blocks(tmp_path):
     assert ids[mask].tolist() == want[0] + want[1]
     obs = tok.decode(ids[t.prompt_len:][~mask[t.prompt_len:]].tolist(), skip_special_tokens=False)
     assert obs == "\n<|im_start|>user\n<tool_response>\nvalue of x\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_qwen3_reasoning_parser_splits_think_blocks_and_keeps_the_export(tmp_path):
+    """rollout.multi_turn.reasoning_parser=qwen3 (SGLang's parser): the agent gets each think block as
+    `reasoning_content` and the answer as `content`; a tool call written inside a think block is not
+    called; the built-in agent sends `reasoning_content` back, Qwen3's template re-renders it, and the
+    session still exports as one concat trajectory of exactly the generated tokens."""
+    from areal_like.data.tiny_model import copy_qwen3_tokenizer
+
+    tok = copy_qwen3_tokenizer(str(tmp_path / "qwen3"))
+    texts = ['<think>\nMaybe <tool_call>\n{"name": "lookup", "arguments": {"key": "y"}}\n</tool_call> first?\n'
+             '</think>\n\n<tool_call>\n{"name": "lookup", "arguments": {"key": "x"}}\n</tool_call>',
+             "<think>\nGot it.\n</think>\n\ndone"]
+    mt = msgspec.structs.replace(MT, reasoning_parser="qwen3")
+    client, tools, ctx, trajs = await _run_builtin_agent(tok, texts, "grpR", mt)
+    assert tools.calls == [("lookup", {"key": "x"}, {"lookup": {"create_kwargs": {"a": 1}}})]  # not "y"
+    assert ctx.reward.texts == ["done"]  # the content after </think> (and its blank line)
+    # turn 2's prompt carries turn 1's reasoning back: Qwen3's template renders it after the last query
+    assert "<think>\nMaybe <tool_call>" in tok.decode(client.calls[1][0])
+    (t,) = trajs
+    ids, mask = t.ids_np(), t.mask_np().astype(bool)
+    want = [tok.encode(x, add_special_tokens=False) + [tok.eos_token_id] for x in texts]
+    assert ids[mask].tolist() == want[0] + want[1]
+
+
+async def test_reasoning_content_in_replies_and_its_switch(tmp_path):
+    from areal_like.data.tiny_model import copy_qwen3_tokenizer
+
+    tok = copy_qwen3_tokenizer(str(tmp_path / "qwen3"))
+    text = "<think>\nhm\n</think>\n\nfour"
+    mt = msgspec.structs.replace(MT, reasoning_parser="qwen3")
+    async with AgentProxy(ScriptedClient(tok, [text] * 4), tok, GenerationConfig(n=1, max_new_tokens=32), mt) as proxy:
+        s = proxy.open_session("grpS", 0)
+        msgs = {"messages": [{"role": "user", "content": "2+2?"}]}
+        st, body, _ = await post(proxy.base_url, msgs, s.api_key)
+        assert st == 200, body
+        m = body["choices"][0]["message"]
+        assert m["reasoning_content"] == "\nhm\n" and m["content"] == "four"
+        st, body, _ = await post(proxy.base_url, {**msgs, "separate_reasoning": False}, s.api_key)
+        m = body["choices"][0]["message"]
+        assert "reasoning_content" not in m and m["content"] == text
+        st, body, _ = await post(proxy.base_url, {**msgs, "separate_reasoning": "yes"}, s.api_key)
+        assert st == 400 and body["error"]["param"] == "separate_reasoning"
+        # streamed: the one content delta carries the reasoning too
+        c = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=s.api_key, max_retries=0, timeout=30)
+        try:
+            chunks = [ch async for ch in await c.chat.completions.create(model="m", stream=True, **msgs)]
+        finally:
+            await c.close()
+        first = chunks[0].choices[0].delta
+        assert first.content == "four" and first.reasoning_content == "\nhm\n"
