@@ -1,9 +1,9 @@
-"""Achieved bandwidth of `WeightPusher.push` vs a raw torch.distributed broadcast of the same bytes.
+"""Achieved bandwidth of `WeightPusher.update` vs a raw torch.distributed broadcast of the same bytes.
 
 Model: a random Qwen2 built locally (default hidden 1024, intermediate 2816, 2 layers ≈ 97 MB of
 fp32 weights), so bytes dominate. N ∈ {1, 2} embedded servers (`--torch-threads 1`) receive it.
 
-- push: `WeightPusher(servers[:N], bucket_bytes=B).push(weights, v)` — pause(abort) → per bucket:
+- push: `WeightPusher(servers[:N], bucket_bytes=B).update(weights, v)` — pause(abort) → per bucket:
   POST metadata, flatten (torch.cat), gloo broadcast as rank 0, wait until every server received,
   unflattened and loaded it → continue. Timed end to end (its own `push_s`). The trainer-side
   broadcast calls are also timed (the group's `broadcast` wrapped on this instance only), so
@@ -171,7 +171,7 @@ async def measure(args, urls: list[str], weights, log_dir: str) -> dict:
                     for r in range(args.rounds + 1):  # round 0 warms both paths up, not counted
                         flat_s[0] = bcast_s[0] = ctl_s[0] = srv["recv_s"] = srv["load_s"] = 0.0
                         version += 1
-                        st = await pusher.push(weights, version)
+                        st = await pusher.update(weights, version)
                         raw_s = raw.round(sizes, raw_bufs)
                         if r:
                             rows.append((st["push_s"], bcast_s[0], flat_s[0], raw_s, ctl_s[0] / n,
@@ -246,7 +246,7 @@ def main() -> None:
               f"{r['push_s'] - r['bcast_s'] - r['flat_s'] - r['ctl_s']:>7.3f}{r['raw_s']:>7.3f}"
               f"{r['srv_recv_s']:>9.3f}{r['srv_load_s']:>9.3f}{b / r['push_s']:>10.0f}{b / r['bcast_s']:>11.0f}{b / r['raw_s']:>9.0f}"
               f"{r['ratio']:>7.2f}  ({min(r['ratios']):.2f}–{max(r['ratios']):.2f})")
-    print("push s = WeightPusher.push end to end (pause … continue); bcast s = its broadcast calls alone; "
+    print("push s = WeightPusher.update end to end (pause … continue); bcast s = its broadcast calls alone; "
           "flat s = its flatten copies; ctl s = pause/begin/end/continue HTTP (per server); rest s = the "
           "remainder (per bucket: waiting for each server's unflatten + load_weights + HTTP reply); "
           "raw s = raw gloo broadcast of the same bucket sizes; srv recv / srv load = the servers' own seconds "

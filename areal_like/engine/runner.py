@@ -208,6 +208,7 @@ class ModelRunner:
         self.join_step: list[int] = [0] * S  # … and the step counter then: pos = join_pos + steps since
         self.steps = 0
         self.max_next_pos = 0  # host copy of max(next_pos[:B]): the decode attention length − 1
+        self._released_shapes: list[tuple[torch.nn.Parameter, tuple[int, ...]]] = []  # weights while released
         self._flags_dirty = True
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -474,6 +475,46 @@ class ModelRunner:
         length_hit = (gen_count_B >= st["max_new"][rows]) | (position_B + 1 >= self.max_context_len)
         fin_B = torch.where(stop_hit, FINISH_STOP, torch.where(length_hit, FINISH_LENGTH, RUNNING))
         return tok_B, lp_B, fin_B, top_v, top_i
+
+    # ---------------------------------------------------------------- memory (release / resume)
+    def release_memory(self, tags: set[str]) -> dict[str, int]:
+        """SGLang's release_memory_occupation: free the KV cache (`kv_cache`) and/or the weights
+        (`weights`: each parameter's data becomes an empty tensor, its shape remembered; tied
+        parameters are one Parameter, freed once). No row may be running. Returns the bytes freed."""
+        if self.rows:
+            raise RuntimeError(f"{len(self.rows)} request(s) still hold KV cache rows: pause with mode abort or "
+                               "retract before releasing memory")
+        freed: dict[str, int] = {}
+        if "kv_cache" in tags and self.kv.k:
+            freed["kv_cache"] = sum(t.numel() * t.element_size() for t in self.kv.k + self.kv.v)
+            self.kv.k, self.kv.v, self.kv.capacity = [], [], 0
+        if "weights" in tags and not self._released_shapes:
+            n = 0
+            # buffers (rotary inv_freq) stay: they are small and no weight update restores them
+            for p in self.model.parameters():
+                self._released_shapes.append((p, tuple(p.shape)))
+                n += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            cache = getattr(self.model.lm_head, "fp32_weight_cache", None)
+            if cache is not None and cache[0] is not None:  # --enable-fp32-lm-head's fp32 copy
+                n += cache[0].numel() * cache[0].element_size()
+                cache[0], cache[1] = None, -1
+            freed["weights"] = n
+        return freed
+
+    def resume_memory(self, tags: set[str]) -> dict[str, int]:
+        """resume_memory_occupation: allocate what `release_memory` freed. Resumed weights hold no
+        defined values (as SGLang's without a CPU backup): a weight update must land before generating."""
+        got: dict[str, int] = {}
+        if "kv_cache" in tags and not self.kv.k:
+            self.kv._alloc(min(128, self.kv.max_capacity))
+            got["kv_cache"] = sum(t.numel() * t.element_size() for t in self.kv.k + self.kv.v)
+        if "weights" in tags and self._released_shapes:
+            for p, shape in self._released_shapes:
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            got["weights"] = sum(p.numel() * p.element_size() for p, _ in self._released_shapes)
+            self._released_shapes = []
+        return got
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> dict[str, torch.Tensor]:

@@ -92,11 +92,12 @@ GENERATE_NOOP = {"input_embeds": (None,), "image_data": (None, []), "video_data"
 GENERATE_META = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id", "routing_key",
                  "extra_key", "priority"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
+RECV_SLOTS = 2  # receive buffers per weight group: bucket k+1 arrives while bucket k loads
 # SGLang's ADMIN_OPTIONAL level (sglang/srt/utils/auth.py): the admin key when one is set, else the api
 # key, else open. /abort_request is on it in SGLang (≥ 0.5.2x), per-rid aborts included: a rid is no
 # secret (rids are guessable and prefix-matched), so an api-key holder must not abort others' requests.
-RECV_SLOTS = 2  # receive buffers per weight group: bucket k+1 arrives while bucket k loads
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
+               "/release_memory_occupation", "/resume_memory_occupation",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
                "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
@@ -186,6 +187,10 @@ class GenerationServer:
         # the receive count (bucket k receives into buffer k % RECV_SLOTS, free once its last load ended)
         self._group_loads: dict[str, list[asyncio.Future]] = {}
         self._group_received: dict[str, int] = {}
+        # /release_memory_occupation: what is released now, and whether the weights came back without
+        # content (resumed, no update since) — generation cannot continue in either state
+        self.released: set[str] = set()
+        self.weights_undefined = False
         self.started = time.time()
         self.queued_tokens = 0  # Σ Job.cost of the requests being served (admission budget)
         # Text prompts are tokenized here, off the event loop (a fast tokenizer releases the GIL).
@@ -215,6 +220,8 @@ class GenerationServer:
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_disk", self.update_disk)
         r.add_post("/get_weights_by_name", self.weights_by_name)
+        r.add_post("/release_memory_occupation", self.release_memory)
+        r.add_post("/resume_memory_occupation", self.resume_memory)
         r.add_post("/begin_weight_update", self.begin_end)
         r.add_post("/end_weight_update", self.begin_end)
         if not self.args.disable_metrics:  # metrics.prometheus=false: no /metrics (404)
@@ -797,6 +804,10 @@ class GenerationServer:
             "max_total_num_tokens": self.args.max_context_len * self.args.max_batch_size,
             "max_running_requests": self.args.max_batch_size, "weight_version": self.scheduler.weight_version,
             "paused": self.scheduler.paused, "uptime_s": time.time() - self.started,
+            # /release_memory_occupation's state (co-located mode)
+            "memory_released": sorted(self.released), "weights_undefined": self.weights_undefined,
+            "weights_bytes": sum(p.numel() * p.element_size() for p in self.runner.model.parameters()),
+            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.runner.kv.k + self.runner.kv.v),
             "internal_states": [{"max_running_requests_seen": self.scheduler.max_running_seen,
                                  **self.scheduler.loads()}]})
         return web.json_response(info)
@@ -820,8 +831,65 @@ class GenerationServer:
         return web.json_response({"success": True, "message": f"paused ({mode})"})
 
     async def continue_(self, request: web.Request) -> web.Response:
+        blocked = self._memory_blocker()
+        if blocked:
+            raise BadRequest(f"cannot continue generation: {blocked}")
         self.scheduler.resume()
         return web.json_response({"success": True, "message": "continued"})
+
+    def _memory_blocker(self, *, for_update: bool = False) -> str:
+        """Why generation (or, `for_update`, a weight update) cannot run now; '' when it can."""
+        if "weights" in self.released:
+            return ("the weights' memory is released: POST /resume_memory_occupation "
+                    '{"tags": ["weights"]} first')
+        if for_update:
+            return ""
+        if self.released:
+            return f"memory is released ({', '.join(sorted(self.released))}): POST /resume_memory_occupation first"
+        if self.weights_undefined:
+            return ("the weights were released and resumed without content: update them "
+                    "(/update_weights_from_distributed or /update_weights_from_disk) first")
+        return ""
+
+    def _memory_tags(self, body: dict) -> set[str]:
+        from areal_like.weights.control import MEMORY_TAGS
+
+        tags = body.get("tags")
+        if tags is None or tags == []:
+            return set(MEMORY_TAGS)
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise BadRequest("'tags' must be a list of strings or null")
+        unknown = sorted(set(tags) - set(MEMORY_TAGS))
+        if unknown:
+            raise BadRequest(f"unknown memory tag(s) {unknown}: use {list(MEMORY_TAGS)} (or null for all)")
+        return set(tags)
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        """SGLang's /release_memory_occupation (co-located mode): free the KV cache and/or the weights.
+        Stricter than SGLang, which asserts an idle server: this one must be paused (/pause_generation),
+        so no request can start on freed memory."""
+        tags = self._memory_tags(await self._json(request))
+        if not self.scheduler.paused:
+            raise BadRequest("release_memory_occupation needs a paused server: POST /pause_generation first")
+        async with self.update_lock:
+            try:
+                freed = await self.scheduler.run_on_engine(self.runner.release_memory, tags)
+            except RuntimeError as e:
+                raise BadRequest(str(e))
+            self.released |= tags
+        log.info("released %s (%s)", sorted(tags), ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in freed.items()))
+        return web.json_response({"success": True, "message": f"released {sorted(tags)}", "freed_bytes": freed})
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        """SGLang's /resume_memory_occupation: allocate what was released. Weights come back without
+        content: a weight update must land before /continue_generation is accepted."""
+        tags = self._memory_tags(await self._json(request))
+        async with self.update_lock:
+            got = await self.scheduler.run_on_engine(self.runner.resume_memory, tags & self.released)
+            if "weights" in tags & self.released:
+                self.weights_undefined = True
+            self.released -= tags
+        return web.json_response({"success": True, "message": f"resumed {sorted(tags)}", "allocated_bytes": got})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -890,6 +958,9 @@ class GenerationServer:
         except (KeyError, TypeError) as e:
             raise BadRequest(f"bad update_weights_from_distributed body: {e!r}")
         group_name = str(b.get("group_name") or "weight_update_group")
+        blocked = self._memory_blocker(for_update=True)
+        if blocked:
+            return web.json_response({"success": False, "message": f"cannot update weights: {blocked}"})
         loads = self._group_loads.setdefault(group_name, [])
         async with self.update_lock:  # receives in arrival order: the broadcasts' order
             if b.get("abort_all_requests"):
@@ -929,6 +1000,7 @@ class GenerationServer:
                     f"an earlier bucket of this update failed to load, the version stays "
                     f"{self.scheduler.weight_version}: {failed[0]}")})
             self._set_version(str(b["weight_version"]))
+            self.weights_undefined = False  # a whole update landed
         metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
         # SGLang's rule: `flush_cache` (default true) flushes after the load, and a flush refused
         # because requests still run fails the update. No prefix cache here, but the same answer.
@@ -967,6 +1039,10 @@ class GenerationServer:
             raise BadRequest("'model_path' is required")
         if b.get("load_format") not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format {b['load_format']!r} is not supported: use null (safetensors)")
+        blocked = self._memory_blocker(for_update=True)
+        if blocked:
+            return web.json_response({"success": False, "message": f"cannot update weights: {blocked}",
+                                      "num_paused_requests": 0})
         async with self.update_lock:
             if b.get("abort_all_requests"):
                 self.scheduler.abort(abort_all=True, message="aborted for weight update")
@@ -979,6 +1055,7 @@ class GenerationServer:
                                           f"Rolled back to the previous weights.", "num_paused_requests": 0})
             if b.get("weight_version") is not None:
                 self._set_version(str(b["weight_version"]))
+            self.weights_undefined = False  # every tensor of a checkpoint loaded
             metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
 

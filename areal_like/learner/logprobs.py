@@ -53,6 +53,7 @@ def fp32_lm_head(head: torch.nn.Module, *, cache_weight: bool = False) -> None:
         return torch.nn.functional.linear(x.float(), weight_fp32(), bias)
 
     head.forward = forward  # type: ignore[method-assign]
+    head.fp32_weight_cache = cache  # the engine empties it when it releases its weights' memory
 
 
 def effective_temperature(temperature: float) -> float:

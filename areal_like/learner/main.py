@@ -58,6 +58,7 @@ from areal_like import metrics as M
 from areal_like.api.config import ExperimentConfig, decode_config
 from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics
 from areal_like.buffer.staleness import StalenessPolicy, trained_staleness
+from areal_like.weights.control import GenerationControl
 
 CONSUMER = "learner-0"
 MAX_RESYNCS = 3  # re-syncs (wait, re-form, push) one push may take before the learner gives up
@@ -107,8 +108,10 @@ class Coordinator:
         self.buffer = ReplayBuffer.from_config(cfg.buffer, url=os.environ["AREAL_LIKE_REDIS_URL"])
         # η, B, the consume-time limit, stale policy, DAPO budget: buffer/staleness.py owns the rules
         self.policy = StalenessPolicy.from_config(cfg)
-        self.pusher = make_weight_pusher(cfg, endpoints, model_path=cfg.model.path, run_dir=run_dir,
-                                         weight_port=weight_port, incarnation=incarnation)  # weights.mode
+        # the servers' handle (weights.control.GenerationControl), its transport picked by weights.mode
+        self.pusher: GenerationControl = make_weight_pusher(cfg, endpoints, model_path=cfg.model.path,
+                                                            run_dir=run_dir, weight_port=weight_port,
+                                                            incarnation=incarnation)
         self.evals = EvalChannel.from_buffer(self.buffer) if cfg.data.val_files else None
         self.eval_pending: int | None = None  # version whose validation was requested, not collected
         self.held_row: StepMetrics | None = None  # that step's metrics row, written with the results
@@ -245,7 +248,7 @@ class Coordinator:
                 if reason is not None:
                     seen = self.buffer.restarts("server")  # before: a restart during the re-sync triggers another
                     how = await self.pusher.reform()
-                res = await self.pusher.push(weights, version)
+                res = await self.pusher.update(weights, version)
             except WeightPushError as e:
                 err = e
                 reason = reason or "a weight push failed"

@@ -1,12 +1,14 @@
 """Weight sync between the learner and generation servers: a separate process group, bucketed
 broadcast (trainer side: `WeightPusher`; server side: `WeightReceiver`), or HF checkpoint dirs the
-servers load from disk (`DiskWeightPusher`). `make_weight_pusher` picks one by `weights.mode`."""
+servers load from disk (`DiskWeightPusher`). `make_weight_pusher` picks one by `weights.mode`; both are the
+learner's `GenerationControl` handle (control.py)."""
 
+from areal_like.weights.control import MEMORY_TAGS, GenerationControl
 from areal_like.weights.disk import DiskWeightPusher
 from areal_like.weights.factory import make_weight_pusher
 from areal_like.weights.group import WeightGroup, init_weight_group
 from areal_like.weights.push import WeightPusher, WeightPushError, flatten_bucket, make_buckets
 from areal_like.weights.receive import WeightReceiver, unflatten_bucket
 
-__all__ = ["DiskWeightPusher", "WeightGroup", "WeightPushError", "WeightPusher", "WeightReceiver", "flatten_bucket",
+__all__ = ["MEMORY_TAGS", "DiskWeightPusher", "GenerationControl", "WeightGroup", "WeightPushError", "WeightPusher", "WeightReceiver", "flatten_bucket",
            "init_weight_group", "make_buckets", "make_weight_pusher", "unflatten_bucket"]

@@ -1,4 +1,5 @@
-"""The server-admin HTTP side that both weight pushers share (`WeightPusher`, `DiskWeightPusher`).
+"""The server-admin HTTP side that both weight pushers share (`WeightPusher`, `DiskWeightPusher`): the
+verbs of `weights.control.GenerationControl` that do not depend on how the bytes travel.
 
 One aiohttp session to every generation server's admin routes: POST with the admin bearer token,
 a timeout, and every failure (HTTP status, timeout, connection, `success: false`) raised as a
@@ -128,10 +129,24 @@ class ServerAdmin:
         await self.wait_servers()
         return "every server answers again (no weight group in this mode)"
 
+    async def pause(self, mode: str = "abort") -> None:
+        """/pause_generation on every server (`abort`: running requests return, their clients resubmit;
+        `retract`: they wait in the server's queue; `in_place`: they keep their KV cache)."""
+        await self._all("/pause_generation", {"mode": mode})
+
     async def resume(self) -> None:
-        """Continue generation on every server (after a failed `WeightPusher` push was repaired;
-        `DiskWeightPusher.push` already does it)."""
+        """Continue generation on every server (after a failed `WeightPusher.update` was repaired;
+        `DiskWeightPusher.update` already does it)."""
         await self._all("/continue_generation", {})
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """SGLang's /release_memory_occupation on every (paused) server: free the KV cache and/or the
+        weights (`tags` from control.MEMORY_TAGS; None = all)."""
+        await self._all("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """/resume_memory_occupation on every server: allocate what `release_memory` freed (None = all)."""
+        await self._all("/resume_memory_occupation", {"tags": tags})
 
     async def close(self) -> None:
         """Close the HTTP session."""

@@ -205,14 +205,14 @@ class DiskWeightPusher(ServerAdmin):
     def version_dir(self, version: int) -> str:
         return os.path.join(self.out_dir, f"v{version:08d}")
 
-    async def push(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Write → pause → every server loads it → continue. Sets every server's weight_version to str(version).
         `weights`: a `WeightSource` (streamed shard by shard) or a list of (name, tensor).
 
         On a failed load the servers keep (roll back to) their old weights; generation is continued
         and WeightPushError names the server."""
         if self._session is None:
-            raise WeightPushError("push() before init(): call init() first")
+            raise WeightPushError("update() before init(): call init() first")
         t0 = time.perf_counter()
         path = self.version_dir(version)
         # Written before the pause: generation does not wait for the disk.

@@ -1,5 +1,5 @@
-"""`weights.mode` → the learner's weight pusher (`WeightPusher` or `DiskWeightPusher`, one interface:
-`await init()`, `await push(named_tensors, version) -> {"push_s", "pause_window_s", …}`, `await close()`)."""
+"""`weights.mode` → the learner's `weights.control.GenerationControl`: `WeightPusher` or `DiskWeightPusher`
+(`await init()`, `await update(named_tensors, version) -> {"push_s", "pause_window_s", …}`, …, `await close()`)."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ class WeightPusher(ServerAdmin):
         await self._form_group()
         return f"re-formed the weight group as {self.group_name!r} on {self.master_addr}:{self.master_port}"
 
-    async def push(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Pause → bucketed broadcast → continue. Sets every server's weight_version to str(version).
 
         `weights`: a `WeightSource` (a sharded learner's gathers one bucket at a time) or a list of
@@ -222,7 +222,7 @@ class WeightPusher(ServerAdmin):
         reload from disk, then `resume()`.
         """
         if self.group is None:
-            raise WeightPushError("push() before init(): the weight group does not exist")
+            raise WeightPushError("update() before init(): the weight group does not exist")
         t0 = time.perf_counter()
         dt = self.dtype
         src = as_source(weights)

@@ -186,6 +186,13 @@ class Recorder:
         self._event("flush", via="/flush_cache")
         return FlushCacheReqOutput(success=True, message="")
 
+    async def release_memory_occupation(self, obj, request=None):
+        # `obj` is SGLang's own ReleaseMemoryOccupationReqInput, parsed by its route from our body
+        self._event("release_memory", type=type(obj).__name__, tags=obj.tags)
+
+    async def resume_memory_occupation(self, obj, request=None):
+        self._event("resume_memory", type=type(obj).__name__, tags=obj.tags)
+
     async def freeze_gc(self):  # SGLang's post-warm-up call
         pass
 

@@ -242,9 +242,9 @@ def test_push_reaches_sglangs_receiver_bit_exact_with_one_flush(harness, flatten
                          bucket_bytes=64, flattened=flattened)
         try:
             await p.init()
-            s = await p.push(named, version=1)
+            s = await p.update(named, version=1)
             assert s["buckets"] > 1
-            await p.push(mixed_weights(4), version=2)
+            await p.update(mixed_weights(4), version=2)
         finally:
             await p.close()
 
@@ -281,14 +281,14 @@ def test_health_and_resync_while_paused(harness):
         client = GenerationClient([h.url], api_key=API, health_interval_s=None, request_timeout_s=60)
         try:
             await p.init()
-            await p.push(mixed_weights(1), version=1)
+            await p.update(mixed_weights(1), version=1)
             # the launcher pauses a restarted SGLang server (it has no start-paused flag)
             Run._pause_server(types.SimpleNamespace(cfg=types.SimpleNamespace(
                 server=types.SimpleNamespace(admin_api_key=ADMIN))), h.url)
             assert await client.health(h.url)  # the client's probe during a long pause
             msg = await p.reform()  # waits for /health, drops the old group, forms a new one
             assert "_r1" in msg
-            await p.push(mixed_weights(2), version=2)  # ends with /continue_generation
+            await p.update(mixed_weights(2), version=2)  # ends with /continue_generation
             r = await client.generate([1, 2, 3], max_new_tokens=4, rid="conf-1")
             return r
         finally:
@@ -321,7 +321,7 @@ def test_a_release_without_begin_weight_update_answers_401_and_the_push_goes_on(
         p = WeightPusher([h.url], master_port=free_port(), backend="gloo", timeout_s=60, admin_api_key=ADMIN)
         try:
             await p.init()
-            await p.push(mixed_weights(5), version=1)
+            await p.update(mixed_weights(5), version=1)
             assert p._begin_end == {h.url: False}
         finally:
             await p.close()
@@ -349,3 +349,29 @@ def test_abort_request_is_admin_level_in_sglang(harness):
     for body in ({"abort_all": True}, {"rid": "x"}):
         assert post(body, None) == 401 and post(body, API) == 401, body
         assert post(body, ADMIN) != 401, body
+
+
+def test_release_and_resume_memory_reach_sglang_as_its_request_types(harness):
+    """Issue 27 item 6: the handle's co-located verbs through SGLang's own routes and auth (admin key):
+    SGLang parses our bodies into its `ReleaseMemoryOccupationReqInput` / `ResumeMemoryOccupationReqInput`
+    with the tags we sent (None = all, as SGLang reads it)."""
+    h = harness()
+
+    async def go():
+        p = WeightPusher([h.url], master_port=free_port(), backend="gloo", timeout_s=60, admin_api_key=ADMIN)
+        try:
+            await p.init()
+            await p.pause()
+            await p.release_memory(["kv_cache", "weights"])
+            await p.resume_memory(["weights"])
+            await p.resume_memory(None)
+        finally:
+            await p.close()
+
+    asyncio.run(go())
+    ev = [e for e in h.record()["events"] if e["kind"] in ("pause", "release_memory", "resume_memory")]
+    assert [(e["kind"], e.get("type"), e.get("tags")) for e in ev] == [
+        ("pause", None, None),
+        ("release_memory", "ReleaseMemoryOccupationReqInput", ["kv_cache", "weights"]),
+        ("resume_memory", "ResumeMemoryOccupationReqInput", ["weights"]),
+        ("resume_memory", "ResumeMemoryOccupationReqInput", None)]

@@ -346,7 +346,7 @@ async def test_admin_endpoints_need_the_key_and_the_pusher_has_it(server, tiny_m
     try:
         # the TCPStore (rank 0, this process) listens on the master address only
         assert {ip for ip, _ in listening(port=port)} == {"127.0.0.1"}
-        await pusher.push(list(model.state_dict().items()), version=3)
+        await pusher.update(list(model.state_dict().items()), version=3)
         st, info = await call("GET", server.url, "/model_info")
         assert st == 200 and info["weight_version"] == "3"
         # every socket the server listens on (HTTP, gloo) is on loopback too

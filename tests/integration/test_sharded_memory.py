@@ -92,7 +92,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, small_dir: str,
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")  # reset VmHWM to the current resident size
                 rss0 = _status_kib("VmRSS")
-                res = await pusher.push(weights, version=1)
+                res = await pusher.update(weights, version=1)
                 res["extra_bytes"] = (_status_kib("VmHWM") - rss0) * 1024
                 await pusher.close()
                 return res

@@ -13,7 +13,7 @@ import torch
 
 from areal_like.engine.client import GenerationClient
 from areal_like.learner.logprobs import token_logprobs_from_logits
-from areal_like.weights import WeightPusher, WeightPushError
+from areal_like.weights import GenerationControl, WeightPusher, WeightPushError
 
 from conftest import free_port
 from _weights import base_model, perturbed  # noqa: F401 (base_model: a fixture)
@@ -79,7 +79,7 @@ async def test_push_lands_on_every_server(servers, base_model):
             pusher.flattened, pusher.overlap_loads = flattened, overlap
             new = perturbed(base_model, seed=version)
             named = list(new.state_dict().items())
-            t = await pusher.push(named, version=version)
+            t = await pusher.update(named, version=version)
             assert t["buckets"] > 1 and t["bytes"] == sum(v.numel() * v.element_size() for _, v in named)
             assert 0 < t["pause_window_s"] <= t["push_s"]
             for srv in servers:
@@ -105,16 +105,16 @@ async def test_overlapped_push_with_a_bad_early_bucket_keeps_the_version(servers
     await pusher.init()
     try:
         good = perturbed(base_model, seed=20)
-        await pusher.push(list(good.state_dict().items()), version=20)
+        await pusher.update(list(good.state_dict().items()), version=20)
         bad = [("model.not_a_parameter", torch.zeros(8))] + list(perturbed(base_model, seed=21).state_dict().items())
         with pytest.raises(WeightPushError, match="unknown parameter names"):
-            await pusher.push(bad, version=21)
+            await pusher.update(bad, version=21)
         for srv in servers:
             st, info = await call("GET", srv.url, "/model_info")
             assert info["weight_version"] == "20"
         await pusher.reform()
         new = perturbed(base_model, seed=22)
-        await pusher.push(list(new.state_dict().items()), version=22)
+        await pusher.update(list(new.state_dict().items()), version=22)
         for srv in servers:
             out, lps, v = await sample(srv.url, prompt)
             assert v == "22" and (lps - local_logprobs(new, prompt, out)).abs().mean() <= 1e-4
@@ -128,7 +128,7 @@ async def test_interrupted_generation_keeps_token_versions(servers, base_model):
     pusher = new_pusher(servers, bucket_bytes=1 << 20)
     await pusher.init()
     try:
-        await pusher.push(list(old.state_dict().items()), version=10)
+        await pusher.update(list(old.state_dict().items()), version=10)
         async with GenerationClient([s.url for s in servers], request_timeout_s=60) as client:
             for attempt in range(5):  # the push must land mid-generation; retry the rare too-fast run
                 before = await generated_tokens(client.pick_server("group-0"))
@@ -139,14 +139,14 @@ async def test_interrupted_generation_keeps_token_versions(servers, base_model):
                     if await generated_tokens(url) - before >= 8 or gen.done():
                         break
                     await asyncio.sleep(0.002)
-                await pusher.push(list(new.state_dict().items()), version=11 + attempt)
+                await pusher.update(list(new.state_dict().items()), version=11 + attempt)
                 res = await gen
                 print(f"attempt {attempt}: {res.num_interruptions} interruption(s)")
                 # On a loaded machine the pause can land before the first decoded token; then there is
                 # no "before" part to check, so that attempt is retried like a too-fast one.
                 if res.num_interruptions >= 1 and res.output_versions[0] == 10:
                     break
-                await pusher.push(list(old.state_dict().items()), version=10)
+                await pusher.update(list(old.state_dict().items()), version=10)
             assert res.num_interruptions >= 1, "the push never interrupted the generation"
             new_v = 11 + attempt
             assert len(res.output_ids) == 450 and res.finish_reason == "length" and res.server == url
@@ -195,4 +195,57 @@ async def test_pusher_errors_name_the_server(servers):
         await pusher.init()  # fails at once on the 401; rank 0's join thread ends at its 5 s timeout
     await pusher.close()
     with pytest.raises(WeightPushError, match="before init"):
-        await WeightPusher([servers[0].url], master_port=1).push([], version=1)
+        await WeightPusher([servers[0].url], master_port=1).update([], version=1)
+
+
+async def test_release_and_resume_memory_around_an_update(servers, base_model, tmp_path):
+    """The co-located verbs on real servers (SGLang's /release_memory_occupation and
+    /resume_memory_occupation, driven through the learner's GenerationControl handle): a paused server
+    frees its KV cache and its weights' storage (the reply counts the bytes); while they are released,
+    /continue_generation and weight updates are refused naming the fix; resumed weights have no content
+    until an update lands; after one, generation serves exactly the pushed weights."""
+    prompt = [5, 9, 13, 17]
+    pusher = new_pusher(servers, overlap_loads=True)
+    assert isinstance(pusher, GenerationControl)
+    await pusher.init()
+    try:
+        m1 = perturbed(base_model, seed=30)
+        await pusher.update(list(m1.state_dict().items()), version=30)
+        await sample(servers[0].url, prompt)  # the KV cache exists now
+        st, body = await call("POST", servers[0].url, "/release_memory_occupation", {"tags": None})
+        assert st == 400 and "/pause_generation" in body["error"]["message"]
+        st, body = await call("POST", servers[0].url, "/release_memory_occupation", {"tags": ["kv"]})
+        assert st == 400 and "kv_cache" in body["error"]["message"]
+
+        await pusher.pause()
+        st, body = await call("POST", servers[0].url, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+        assert st == 200, body
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in base_model.parameters()}
+        assert body["freed_bytes"]["weights"] == sum(storages.values())  # tied weights counted once
+        assert body["freed_bytes"]["kv_cache"] > 0
+        await pusher.release_memory()  # the handle: every server (the first already released: a no-op there)
+        for srv in servers:
+            st, info = await call("GET", srv.url, "/server_info")
+            assert info["memory_released"] == ["kv_cache", "weights"] and info["paused"] is True
+            assert info["weights_bytes"] == 0 and info["kv_cache_bytes"] == 0
+        st, body = await call("POST", servers[0].url, "/continue_generation", {})
+        assert st == 400 and "resume_memory_occupation" in body["error"]["message"]
+        st, body = await call("POST", servers[0].url, "/update_weights_from_disk", {"model_path": str(tmp_path)})
+        assert body["success"] is False and "resume_memory_occupation" in body["message"]
+
+        await pusher.resume_memory(["weights"])
+        await pusher.resume_memory(["kv_cache"])
+        st, info = await call("GET", servers[1].url, "/server_info")
+        assert info["memory_released"] == [] and info["weights_undefined"] is True
+        assert info["weights_bytes"] == sum(p.numel() * p.element_size() for p in base_model.parameters())
+        assert info["kv_cache_bytes"] > 0
+        st, body = await call("POST", servers[1].url, "/continue_generation", {})
+        assert st == 400 and "update them" in body["error"]["message"]
+
+        m2 = perturbed(base_model, seed=31)
+        await pusher.update(list(m2.state_dict().items()), version=31)  # pause → buckets → continue
+        for srv in servers:
+            out, lps, v = await sample(srv.url, prompt)
+            assert v == "31" and (lps - local_logprobs(m2, prompt, out)).abs().mean() <= 1e-4
+    finally:
+        await pusher.close()

@@ -63,7 +63,7 @@ async def test_disk_push_lands_and_keeps_two_dirs(server, base_model, tiny_model
         for version in (1, 2, 3):
             new = perturbed(base_model, seed=100 + version)
             named = list(new.state_dict().items())  # tied embeddings share storage: the writer copes
-            t = await pusher.push(named, version=version)
+            t = await pusher.update(named, version=version)
             assert 0 < t["pause_window_s"] <= t["push_s"]
             _, info = await call("GET", server.url, "/model_info")
             assert info["weight_version"] == str(version)
@@ -83,7 +83,7 @@ async def test_disk_push_lands_and_keeps_two_dirs(server, base_model, tiny_model
         # A checkpoint the server cannot load (wrong shapes): it rolls back, keeps serving v3, not paused.
         bad = [(n, torch.zeros(2, 2)) for n, _ in base_model.state_dict().items()]
         with pytest.raises(WeightPushError, match=server.url.replace(".", r"\.") + ".*update_weights_from_disk"):
-            await pusher.push(bad, version=4)
+            await pusher.update(bad, version=4)
         _, info = await call("GET", server.url, "/model_info")
         assert info["weight_version"] == "3"
         _, _, v = await sample(server.url, prompt)  # answers: generation was continued
