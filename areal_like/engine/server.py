@@ -847,8 +847,9 @@ class GenerationServer:
         if self.released:
             return f"memory is released ({', '.join(sorted(self.released))}): POST /resume_memory_occupation first"
         if self.weights_undefined:
-            return ("the weights were released and resumed without content: update them "
-                    "(/update_weights_from_distributed or /update_weights_from_disk) first")
+            return ("the weights were released and resumed without content: update them first "
+                    "(/update_weights_from_disk, or /update_weights_from_distributed ending with a bucket that "
+                    "sets weight_version)")
         return ""
 
     def _memory_tags(self, body: dict) -> set[str]:
