@@ -547,7 +547,8 @@ class WeightSyncConfig(_Section):
     bucket_mb: float = 512.0
     """Bucket size of the push, in MiB: `distributed` broadcasts tensors in buckets of at most this,
     `disk` writes safetensors files of at most this. What the sending learner rank holds beyond its
-    shard during a push: one bucket plus the tensor being gathered."""
+    shard during a push: one bucket plus the tensor being gathered; an embedded server keeps two
+    buckets' receive buffers (it loads one while it receives the next)."""
     timeout_s: float = 120.0
     """Seconds one weight-sync step (group set-up, one bucket, one disk load) may take; then it fails
     naming the server."""
