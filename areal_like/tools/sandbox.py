@@ -564,7 +564,10 @@ def _classify(report: dict, timed_out: bool, stderr_tail: str, lim: dict) -> tup
         return "memory", f"memory limit of {lim['memory_mb']} MB exceeded"
     if "File too large" in last or "[Errno 27]" in last:
         return "output_limit", f"a file reached the {lim['file_mb']} MB limit"
-    if ("can't start new thread" in last or ("Resource temporarily unavailable" in last or "[Errno 11]" in last)
+    # Anywhere in the tail, not only its last line: a fork bomb's processes share one stderr, and the
+    # last line written may belong to another process's interleaved traceback (seen in CI under load).
+    if ("can't start new thread" in stderr_tail
+            or ("Resource temporarily unavailable" in stderr_tail or "[Errno 11]" in stderr_tail)
             and ("fork" in stderr_tail or "Thread" in stderr_tail or "subprocess" in stderr_tail)):
         return "process_limit", f"limit of {lim['max_procs']} processes/threads reached"
     if _LAST_LINE_NET.search(last):

@@ -388,3 +388,17 @@ def test_capture_says_at_least_when_not_read_to_the_end():
     assert "[at least 9" in c.render(200) and "the output was at least 10000 bytes" in c.render(200)
     c = _captured(b"short\n", 256)
     assert c.render(200) == "short\n"
+
+
+def test_a_fork_bomb_is_a_process_limit_whatever_line_its_processes_wrote_last():
+    """The fork bomb's processes share one stderr: the tail may end inside another process's traceback
+    (CI saw 'exception' here). The classification reads the whole tail."""
+    from areal_like.tools.sandbox import _classify
+
+    tail = ('Traceback (most recent call last):\n  File "main.py", line 3, in <module>\n'
+            'BlockingIOError: [Errno 11] Resource temporarily unavailable\n'
+            'Traceback (most recent call last):\n  File "main.py", line 3, in <module>\n    os.fork()\n')
+    lim = {"timeout_s": 3, "cpu_s": 3, "memory_mb": 512, "file_mb": 16, "max_procs": 16}
+    status = 1 << 8  # exit code 1
+    assert _classify({"status": status}, False, tail, lim)[0] == "process_limit"
+    assert _classify({"status": status}, False, "ValueError: nope\n", lim)[0] == "exception"
