@@ -11,8 +11,9 @@ detect_and_parse`), so an agent written against SGLang's OpenAI server sees the 
 
 Leading opening tags are removed; `reasoning_content` is the block as generated, `content` the text
 after `</think>` without its leading newlines (what chat templates write back between the block and the
-answer, Qwen3's `'</think>\n\n' + content.lstrip('\n')`; SGLang's releases strip both ends or neither). Tool calls are parsed from the content alone (a call written inside a think block is
-thinking, not a call). The trained tokens are the generated ones whatever the parser shows the agent.
+answer, Qwen3's `'</think>\n\n' + content.lstrip('\n')`; SGLang's releases strip both ends or neither).
+Tool calls are parsed from the content alone (a call written inside a think block is thinking, not a
+call). The trained tokens are the generated ones whatever the parser shows the agent.
 """
 
 from __future__ import annotations

@@ -128,6 +128,14 @@ class SlotKV:
             self.v[i][:, :, :old_cap] = old_v[i]
         self.capacity = capacity
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def free(self) -> None:
+        """Drop every layer's tensors (release_memory_occupation); `ensure`/`_alloc` allocate again."""
+        self.k, self.v, self.capacity = [], [], 0
+
     def ensure(self, length: int) -> None:
         """Make room for positions [0, length); doubling keeps the copies amortised."""
         if length > self.capacity:
@@ -477,6 +485,11 @@ class ModelRunner:
         return tok_B, lp_B, fin_B, top_v, top_i
 
     # ---------------------------------------------------------------- memory (release / resume)
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes the parameters hold now (0 while released; tied parameters counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def release_memory(self, tags: set[str]) -> dict[str, int]:
         """SGLang's release_memory_occupation: free the KV cache (`kv_cache`) and/or the weights
         (`weights`: each parameter's data becomes an empty tensor, its shape remembered; tied
@@ -486,8 +499,8 @@ class ModelRunner:
                                "retract before releasing memory")
         freed: dict[str, int] = {}
         if "kv_cache" in tags and self.kv.k:
-            freed["kv_cache"] = sum(t.numel() * t.element_size() for t in self.kv.k + self.kv.v)
-            self.kv.k, self.kv.v, self.kv.capacity = [], [], 0
+            freed["kv_cache"] = self.kv.nbytes
+            self.kv.free()
         if "weights" in tags and not self._released_shapes:
             n = 0
             # buffers (rotary inv_freq) stay: they are small and no weight update restores them
@@ -508,11 +521,11 @@ class ModelRunner:
         got: dict[str, int] = {}
         if "kv_cache" in tags and not self.kv.k:
             self.kv._alloc(min(128, self.kv.max_capacity))
-            got["kv_cache"] = sum(t.numel() * t.element_size() for t in self.kv.k + self.kv.v)
+            got["kv_cache"] = self.kv.nbytes
         if "weights" in tags and self._released_shapes:
             for p, shape in self._released_shapes:
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-            got["weights"] = sum(p.numel() * p.element_size() for p, _ in self._released_shapes)
+            got["weights"] = self.weights_nbytes
             self._released_shapes = []
         return got
 

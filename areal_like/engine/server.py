@@ -806,8 +806,7 @@ class GenerationServer:
             "paused": self.scheduler.paused, "uptime_s": time.time() - self.started,
             # /release_memory_occupation's state (co-located mode)
             "memory_released": sorted(self.released), "weights_undefined": self.weights_undefined,
-            "weights_bytes": sum(p.numel() * p.element_size() for p in self.runner.model.parameters()),
-            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.runner.kv.k + self.runner.kv.v),
+            "weights_bytes": self.runner.weights_nbytes, "kv_cache_bytes": self.runner.kv.nbytes,
             "internal_states": [{"max_running_requests_seen": self.scheduler.max_running_seen,
                                  **self.scheduler.loads()}]})
         return web.json_response(info)

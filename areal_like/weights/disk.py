@@ -219,7 +219,7 @@ class DiskWeightPusher(ServerAdmin):
         nbytes = await asyncio.to_thread(write_hf_checkpoint, weights, path, self.model_path, self.dtype,
                                          self.shard_bytes)
         t_written = time.perf_counter()
-        await self._all("/pause_generation", {"mode": "abort"})
+        await self.pause("abort")
         t_paused = time.perf_counter()
         failure: BaseException | None = None
         try:
@@ -233,7 +233,7 @@ class DiskWeightPusher(ServerAdmin):
             failure = e
         finally:
             # Every server serves a complete set (new, or old after its rollback): generation goes on.
-            await self._all("/continue_generation", {})
+            await self.resume()
         if failure is not None:
             raise failure
         t_end = time.perf_counter()

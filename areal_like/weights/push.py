@@ -240,7 +240,7 @@ class WeightPusher(ServerAdmin):
 
         # The first bucket is filled before the pause: generation does not wait for it.
         next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, 0)) if self.flattened and buckets else None
-        await self._all("/pause_generation", {"mode": "abort"})
+        await self.pause("abort")
         t_paused = time.perf_counter()
         await self._begin_or_end("/begin_weight_update")
         unanswered: list[asyncio.Future] = []  # overlap_loads: the replies of earlier buckets
@@ -292,7 +292,7 @@ class WeightPusher(ServerAdmin):
         # while labelled with the new version. Paused (abort), nothing runs, so the flush is accepted
         # (requests sent meanwhile wait in SGLang's tokenizer, not in the scheduler).
         await self._all("/flush_cache", {})
-        await self._all("/continue_generation", {})
+        await self.resume()
         if device.type == "cuda":
             # On a GPU the bucket buffers go back to the caching allocator between pushes (training reuses
             # the blocks; a new one costs no page faults there). On the host they stay: see _FlatBuffers.
