@@ -271,7 +271,7 @@ def _local_table(run_dir: str, alloc, cfg) -> ProcessTable:
     from areal_like.api.config import cpu_sets
 
     # one node with exactly the devices the allocation needs; roles pinned by launcher.cpu_affinity
-    return ProcessTable(run_dir, plan=place(alloc), cpu_affinity=cpu_sets(cfg.launcher))
+    return ProcessTable(run_dir, plan=place(alloc), cpu_affinity=cpu_sets(cfg.launcher, colocated=alloc.colocated))
 
 
 class Run:
@@ -438,7 +438,7 @@ class Run:
                                        # a relative server.python is taken from the launcher's directory
                                        python=os.path.abspath(cfg.server.python) if cfg.server.python
                                        and os.sep in cfg.server.python else (cfg.server.python or sys.executable),
-                                       weight_update=cfg.weights.mode, dtype=cfg.server.dtype,
+                                       weight_update=cfg.resolved_weights_mode(), dtype=cfg.server.dtype,
                                        fp32_lm_head=cfg.model.fp32_lm_head,
                                        mem_fraction_static=cfg.server.mem_fraction_static,
                                        # the workflows' limit, also SGLang's (else it takes the model's)

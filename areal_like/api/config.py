@@ -540,10 +540,13 @@ class EvalConfig(_Section):
 
 
 class WeightSyncConfig(_Section):
-    mode: Literal["distributed", "disk"] = "distributed"
+    mode: Literal["auto", "distributed", "disk", "memory"] = "auto"
     """How new weights reach the servers after each step: `distributed` (bucketed torch.distributed
-    broadcast, NCCL/gloo) or `disk` (learner rank 0 writes an HF safetensors dir under
-    `<run dir>/weights_disk/`, the servers load it with /update_weights_from_disk)."""
+    broadcast, NCCL/gloo), `disk` (learner rank 0 writes an HF safetensors dir under
+    `<run dir>/weights_disk/`, the servers load it with /update_weights_from_disk) or `memory` (co-located
+    runs only: rank 0 copies each bucket into shared memory, the servers load it with
+    /update_weights_from_tensor). `auto`: `memory` when the allocation is co-located
+    (`embedded:d1|fsdp:d1`), else `distributed`."""
     bucket_mb: float = 512.0
     """Bucket size of the push, in MiB: `distributed` broadcasts tensors in buckets of at most this,
     `disk` writes safetensors files of at most this. What the sending learner rank holds beyond its
@@ -552,6 +555,22 @@ class WeightSyncConfig(_Section):
     timeout_s: float = 120.0
     """Seconds one weight-sync step (group set-up, one bucket, one disk load) may take; then it fails
     naming the server."""
+
+
+class ColocateConfig(_Section):
+    """Co-located runs (allocation `<generation>|<training>`, e.g. `embedded:d1|fsdp:d1`): the servers
+    and the learner take turns on the same devices, one phase each per step."""
+
+    release_memory: bool = True
+    """While the learner trains, the paused servers free their KV cache and weights
+    (/release_memory_occupation) and get them back, with the new weights, after the handoff. false: the
+    servers only pause (their memory stays allocated). Either way requests still generating (η ≥ 1) are
+    aborted and resubmitted with their tokens so far, and continue after the handoff. verl's
+    `actor_rollout_ref.rollout.free_cache_engine`."""
+    offload_learner: bool = True
+    """Between training phases the learner sleeps: gradients freed, and on a CUDA learner its
+    parameters and AdamW state moved to host memory (back before the next step). On CPU the state
+    already is in host memory: only the gradients are freed."""
 
 
 class RestartBudgets(_Section):
@@ -638,9 +657,15 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def cpu_sets(launcher: LauncherConfig) -> dict[str, set[int]]:
-    """`launcher.cpu_affinity` parsed (validated at load): role kind → CPUs."""
-    return {kind: parse_cpu_list(str(text)) for kind, text in launcher.cpu_affinity.items()}
+def cpu_sets(launcher: LauncherConfig, *, colocated: bool = False) -> dict[str, set[int]]:
+    """`launcher.cpu_affinity` parsed (validated at load): role kind → CPUs. `colocated` (allocation
+    `<generation>|<training>`): the servers and the learner share one set — whichever of the two kinds
+    names it (the config refuses two different ones)."""
+    sets = {kind: parse_cpu_list(str(text)) for kind, text in launcher.cpu_affinity.items()}
+    shared = sets.get("server") or sets.get("learner")
+    if colocated and shared:
+        sets["server"] = sets["learner"] = shared
+    return sets
 
 
 def validate_cpu_affinity(launcher: LauncherConfig) -> None:
@@ -757,6 +782,8 @@ class ExperimentConfig(_Section):
     """Reward shaping applied after scoring (`reward.*`)."""
     weights: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     """Weight sync from the learner to the servers (`weights.*`)."""
+    colocate: ColocateConfig = msgspec.field(default_factory=ColocateConfig)
+    """Co-located runs, generation and training on the same devices (`colocate.*`)."""
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     """Prometheus metrics and experiment trackers: TensorBoard, W&B (`metrics.*`)."""
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
@@ -770,6 +797,14 @@ class ExperimentConfig(_Section):
         if self.server.dtype != "auto":
             return self.server.dtype
         return "bfloat16" if sglang or self.server.device.startswith("cuda") else "float32"
+
+    def resolved_weights_mode(self) -> str:
+        """`weights.mode` with `auto` resolved: `memory` for a co-located allocation, else `distributed`."""
+        if self.weights.mode != "auto":
+            return self.weights.mode
+        from allocation import parse_allocation
+
+        return "memory" if parse_allocation(self.allocation).colocated else "distributed"
 
     def resolved_max_concurrent_groups(self, *, num_servers: int, sglang: bool) -> int:
         """`rollout.max_concurrent_groups`, or when null scaled to `num_servers`' capacity (see the key)."""
@@ -824,6 +859,30 @@ class ExperimentConfig(_Section):
         except AllocationError:
             return
         tr, gen = alloc.training, alloc.generation
+        if alloc.colocated and gen is not None and gen.backend == "sglang":
+            raise ConfigError(f"allocation {self.allocation!r} co-locates SGLang servers with the learner; their "
+                              f"weight handoff (/update_weights_from_tensor with CUDA-IPC handles) is not built yet: "
+                              f"use the embedded engine co-located (e.g. 'embedded:d{gen.dp}|fsdp:d{gen.dp}') or "
+                              f"SGLang disaggregated ('sglang:d{gen.dp}+fsdp:d…')")
+        aff = self.launcher.cpu_affinity
+        try:  # a malformed list is validate_cpu_affinity's to report
+            differ = "server" in aff and "learner" in aff and \
+                parse_cpu_list(str(aff["server"])) != parse_cpu_list(str(aff["learner"]))
+        except ValueError:
+            differ = False
+        if alloc.colocated and differ:
+            raise ConfigError(f"launcher.cpu_affinity.server={aff['server']!r} and launcher.cpu_affinity.learner="
+                              f"{aff['learner']!r} differ, but allocation {self.allocation!r} co-locates them (the "
+                              f"same devices, the same CPUs): give one of the two keys (the other role gets the "
+                              f"same CPUs) or equal lists")
+        if alloc.colocated and self.weights.mode in ("distributed", "disk"):
+            raise ConfigError(f"weights.mode={self.weights.mode}: allocation {self.allocation!r} is co-located, and "
+                              f"co-located runs hand the weights over in memory between their phases: set "
+                              f"weights.mode=auto (or memory)")
+        if not alloc.colocated and self.weights.mode == "memory":
+            raise ConfigError(f"weights.mode=memory needs a co-located allocation (generation and training on the "
+                              f"same devices, '|' between them, e.g. 'embedded:d1|fsdp:d1'); {self.allocation!r} "
+                              f"is {alloc.kind}: set weights.mode=auto")
         if tr is not None and tr.backend == "fsdp" and self.train.dp_sharding == "none":
             raise ConfigError(f"allocation {self.allocation!r} asks for the fsdp training backend but "
                               f"train.dp_sharding=none replicates the model: set train.dp_sharding=full (or "
@@ -980,6 +1039,7 @@ ALIASES: dict[str, str] = {
     "gconfig.n_samples": "generation.n",
     "rollout.n": "generation.n",
     "actor_rollout_ref.rollout.n": "generation.n",
+    "actor_rollout_ref.rollout.free_cache_engine": "colocate.release_memory",
     "group_size": "generation.n",
     "batch_size": "train.batch_size",
     "data.train_batch_size": "train.batch_size",

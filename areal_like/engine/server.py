@@ -64,6 +64,8 @@ from areal_like.engine.sampling import derive_seed
 from areal_like.engine.scheduler import Request, Scheduler
 from areal_like.learner.logprobs import token_logprobs_from_logits
 from areal_like.weights.receive import WeightReceiver
+from areal_like.weights.shm import LOAD_FORMAT as SHM_LOAD_FORMAT
+from areal_like.weights.shm import ShmReader
 
 log = logging.getLogger("areal_like.engine.server")
 
@@ -99,7 +101,7 @@ RECV_SLOTS = 2  # receive buffers per weight group: bucket k+1 arrives while buc
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
                "/release_memory_occupation", "/resume_memory_occupation",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
-               "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request"}
+               "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 
@@ -180,6 +182,7 @@ class GenerationServer:
                                    weight_version=str(args.weight_version), text_stop=self._text_stop)
         self.model_name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
         self.receiver = WeightReceiver(args.device)
+        self.shm = ShmReader()  # /update_weights_from_tensor's shared-memory segments (co-located learner)
         self.rng = random.Random(args.random_seed)
         self.update_lock = asyncio.Lock()
         # update_weights_from_distributed overlaps bucket k's load (engine thread) with bucket k+1's receive:
@@ -219,6 +222,7 @@ class GenerationServer:
         r.add_post("/update_weights_from_distributed", self.update_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_disk", self.update_disk)
+        r.add_post("/update_weights_from_tensor", self.update_tensor)
         r.add_post("/get_weights_by_name", self.weights_by_name)
         r.add_post("/release_memory_occupation", self.release_memory)
         r.add_post("/resume_memory_occupation", self.resume_memory)
@@ -847,8 +851,8 @@ class GenerationServer:
             return f"memory is released ({', '.join(sorted(self.released))}): POST /resume_memory_occupation first"
         if self.weights_undefined:
             return ("the weights were released and resumed without content: update them first "
-                    "(/update_weights_from_disk, or /update_weights_from_distributed ending with a bucket that "
-                    "sets weight_version)")
+                    "(/update_weights_from_disk, or /update_weights_from_distributed or "
+                    "/update_weights_from_tensor ending with a bucket that sets weight_version)")
         return ""
 
     def _memory_tags(self, body: dict) -> set[str]:
@@ -1058,6 +1062,46 @@ class GenerationServer:
             self.weights_undefined = False  # every tensor of a checkpoint loaded
             metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
+
+
+    async def update_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's /update_weights_from_tensor, for a co-located learner on this host: the tensors are in
+        a shared-memory segment the learner filled (`load_format` "areal_like_shm", weights/shm.py),
+        copied from there into the parameters on the engine thread (all or nothing per bucket). SGLang's
+        own payload — a pickle of CUDA-IPC handles — is refused: nothing received over HTTP is unpickled.
+        The bucket that sets `weight_version` ends the update (weights defined again after a release)."""
+        b = await self._json(request)
+        fmt = b.get("load_format")
+        if fmt != SHM_LOAD_FORMAT:
+            raise BadRequest(f"load_format {fmt!r} is not supported here: this server loads tensors from shared "
+                             f"memory only (load_format {SHM_LOAD_FORMAT!r}, see areal_like/weights/shm.py); "
+                             "SGLang's pickled CUDA-IPC payload is not unpickled")
+        try:
+            named = self.shm.read(b.get("serialized_named_tensors"))
+        except (ValueError, OSError) as e:
+            raise BadRequest(f"bad update_weights_from_tensor body: {e}")
+        blocked = self._memory_blocker(for_update=True)
+        if blocked:
+            return web.json_response({"success": False, "message": f"cannot update weights: {blocked}"})
+        async with self.update_lock:
+            if b.get("abort_all_requests"):
+                self.scheduler.abort(abort_all=True, message="aborted for weight update")
+            t0 = time.perf_counter()
+            try:
+                await self.scheduler.run_on_engine(self.runner.load_weights, dict(named))
+            except Exception as e:  # names, shapes, dtypes checked before any copy: the old weights serve
+                log.error("update_weights_from_tensor failed: %s", e)
+                return web.json_response({"success": False, "message": str(e)})
+            if b.get("weight_version") is not None:
+                self._set_version(str(b["weight_version"]))
+                self.weights_undefined = False  # the update's last bucket landed
+            metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
+        if b.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
+            return web.json_response({"success": False, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still running "
+                "or queued. Retract or finish them, then call /flush_cache.")})
+        return web.json_response({"success": True, "message": f"updated {len(named)} tensors",
+                                  "load_s": time.perf_counter() - t0})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,6 +19,18 @@
     ├─ checkpoint (every train.save_freq steps), then commit the covered entries: ack + trained set
     └─ report: metrics.jsonl row, Prometheus, the trackers of metrics.loggers (TensorBoard, W&B)
 
+Co-located (allocation `<generation>|<training>`, e.g. `embedded:d1|fsdp:d1`; issue 27): the servers and
+this pool take turns on the same devices, one phase each per step. Once `fetch` has the batch (and the
+served version's validation has ended — it runs on the same servers), rank 0 pauses the servers (abort:
+requests still generating come back and are resubmitted with their tokens, to wait in the paused servers)
+and releases their KV cache and weights (`end_generation`); every rank wakes, trains, frees its gradients
+and moves its AdamW state off the device; the push is the in-memory handoff into the servers' resumed
+weights, which stay paused; version, row, checkpoint as above; then every rank sleeps (parameters off the
+device) and the servers get their KV cache back and continue (`start_generation`). Each step logs
+`co-located step: release … → wake … → train … → handoff … → sleep … → resume …` (seconds). A server that
+dies around a phase switch is waited for and re-synced by a push that continues it; a learner restarted
+inside a phase finds the servers released and gives their memory back before its first push.
+
 Exactly once (DESIGN invariant 4): entries are committed (acked, recorded as trained) only after a
 checkpoint that contains their update, so a crash replays exactly the updates the restored model
 lacks. Without checkpoints (save_freq 0) a restart starts from scratch anyway, so each step
@@ -58,6 +70,7 @@ from areal_like import metrics as M
 from areal_like.api.config import ExperimentConfig, decode_config
 from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics
 from areal_like.buffer.staleness import StalenessPolicy, trained_staleness
+from areal_like.weights.admin import WeightPushError
 from areal_like.weights.control import GenerationControl
 
 CONSUMER = "learner-0"
@@ -112,6 +125,12 @@ class Coordinator:
         self.pusher: GenerationControl = make_weight_pusher(cfg, endpoints, model_path=cfg.model.path,
                                                             run_dir=run_dir, weight_port=weight_port,
                                                             incarnation=incarnation)
+        from allocation import parse_allocation
+
+        # co-located (`<generation>|<training>`): the servers and this pool take turns on the same devices
+        self.colocated = parse_allocation(cfg.allocation).colocated
+        self.phase_log: dict[str, float] = {}  # the co-located step's phase timings, for its log line
+        self.in_phase = False  # co-located: the servers are paused (and released) for this pool's training
         self.evals = EvalChannel.from_buffer(self.buffer) if cfg.data.val_files else None
         self.eval_pending: int | None = None  # version whose validation was requested, not collected
         self.held_row: StepMetrics | None = None  # that step's metrics row, written with the results
@@ -134,9 +153,8 @@ class Coordinator:
         `WeightSource`, or a list of (name, tensor)) as `version`:
         pushed when resuming from a checkpoint (the servers may hold newer weights); on a fresh start
         the servers already serve version 0 (model.path) and are only continued (one restarted with
-        --start-paused before this learner started waits for that)."""
-        from areal_like.weights import WeightPushError
-
+        --start-paused before this learner started waits for that). Co-located: always pushed (in memory,
+        cheap): a learner that died in its training phase left the servers paused and released."""
         step = extra["step"] if extra else 0
         uncommitted = [tuple(p) for p in (extra or {}).get("uncommitted", [])]
         # rollback: this start resumes an older checkpoint on purpose (explicit train.resume_mode, disable,
@@ -156,18 +174,20 @@ class Coordinator:
         resync = None
         try:
             await self.pusher.init()
-            if extra is None:
+            # Co-located: a learner that died inside its training phase left the servers paused with their
+            # memory released; the push below gives it back first (`_push`) and continues them.
+            if extra is None and not self.colocated:
                 await self.pusher.resume()
         except WeightPushError as e:
             resync = f"setting up weight sync failed ({e})"
-        if extra is not None or resync is not None:
+        if extra is not None or resync is not None or self.colocated:
             await self._push(weights, version, resync=resync)
         if extra is not None:
             _log(f"resumed from step {step} (version {version}); servers reloaded")
         _append_jsonl(self.trained_log, {"event": "start", "incarnation": self.incarnation, "resumed_from_step": step})
         _log(f"ready: B={self.cfg.train.batch_size} groups/step, η={self.cfg.rollout.max_staleness}, "
              f"layout {layout.spec}, algorithm {self.cfg.algorithm.adv_estimator}, {len(self.pusher.server_urls)} server(s), "
-             f"weights.mode={self.cfg.weights.mode}")
+             f"weights.mode={self.cfg.resolved_weights_mode()}")
 
     # ---- fetch --------------------------------------------------------------------------------------
     async def fetch(self, version: int, stopping) -> Batch | None:
@@ -213,11 +233,72 @@ class Coordinator:
         b.fetch_s = time.monotonic() - t0
         return b
 
+    # ---- co-located phases ---------------------------------------------------------------------------
+    @property
+    def _release(self) -> bool:
+        return self.colocated and self.cfg.colocate.release_memory
+
+    async def end_generation(self) -> None:
+        """Co-located: the step's batch is complete, the servers give the devices to the learner —
+        pause → release the KV cache and weights. Requests still generating (η ≥ 1) are aborted: their
+        clients resubmit them with the tokens so far, which wait in the paused servers and continue
+        after the handoff (partial rollout; the client records each token's version — a retract would
+        return them all under the version that finishes them). Disaggregated: nothing (the servers keep
+        generating while the learner trains)."""
+        if not self.colocated:
+            return
+        t0 = time.monotonic()
+        try:
+            await self.pusher.pause("abort")
+            if self._release:
+                await self.pusher.release_memory(None)
+        except WeightPushError as e:  # a server died: train anyway; the handoff re-syncs every server
+            _log(f"could not hand the devices over to the learner ({e}): training anyway, the weight push "
+                 "re-syncs the servers and continues them")
+            self.in_phase = False
+        else:
+            self.in_phase = True
+        self.phase_log = {"release_s": time.monotonic() - t0}
+
+    async def start_generation(self, sleep) -> None:
+        """Co-located, after the handoff (and the step's checkpoint): the learner sleeps (`sleep()`, its
+        state off the devices), the servers get their KV cache back and continue. Logs the step's
+        phases. Disaggregated: nothing (`update` continued the servers)."""
+        if not self.colocated:
+            return
+        sleep_s = sleep()
+        t1 = time.monotonic()
+        if self.in_phase:
+            self.in_phase = False
+            try:
+                if self._release:
+                    await self.pusher.resume_memory(["kv_cache"])
+                await self.pusher.resume()
+            except WeightPushError as e:  # a server died: wait for it, give memory back, push again (continues)
+                weights, version = self.pushed
+                await self._push(weights, version, resync=f"resuming generation failed ({e})")
+        p = self.phase_log | {"sleep_s": sleep_s, "resume_s": time.monotonic() - t1}
+        self.phase_log = {}
+        _log("co-located step: " + " → ".join(f"{k[:-2]} {p[k]:.3f} s" for k in
+                                              ("release_s", "wake_s", "train_s", "handoff_s", "sleep_s", "resume_s")
+                                              if k in p)
+             + ("" if self._release else " (colocate.release_memory=false: paused, not released)"))
+
+    def note_phase(self, **seconds: float) -> None:
+        """Record co-located phase timings (wake_s, train_s) for the step's log line."""
+        self.phase_log.update(seconds)
+
     # ---- push, re-sync, version, commit ----------------------------------------------------------------
     async def push(self, weights, version: int) -> dict:
         """Push the step's weights as `version`, re-syncing first if a server restarted since the last
-        push, and after a failed push (see `_push`)."""
-        return await self._push(weights, version, resync=self._restarted())
+        push, and after a failed push (see `_push`). Co-located: the handoff inside the training phase —
+        the servers get their weights' memory back and load the new ones, and stay paused
+        (`start_generation` continues them)."""
+        t0 = time.monotonic()
+        res = await self._push(weights, version, resync=self._restarted(), in_phase=self.in_phase)
+        if self.colocated:
+            self.phase_log["handoff_s"] = time.monotonic() - t0
+        return res
 
     def _restarted(self) -> str | None:
         n = self.buffer.restarts("server")
@@ -234,13 +315,13 @@ class Coordinator:
             weights, version = self.pushed
             await self._push(weights, version, resync=reason)
 
-    async def _push(self, weights, version: int, resync: str | None = None) -> dict:
+    async def _push(self, weights, version: int, resync: str | None = None, in_phase: bool = False) -> dict:
         """Push `weights` as `version`. With `resync` (why), and after a push that failed (a server
         died mid-push), re-sync: wait until every server answers, re-form the weight group, push
         (pause → buckets → continue, which also continues a server started paused). At most
-        MAX_RESYNCS re-syncs, then WeightPushError: the learner exits, the launcher restarts it."""
-        from areal_like.weights import WeightPushError
-
+        MAX_RESYNCS re-syncs, then WeightPushError: the learner exits, the launcher restarts it.
+        `in_phase`: a co-located training phase holds the servers paused, their memory released: the
+        weights' memory is resumed first and the servers stay paused afterwards."""
         reason, err, how = resync, None, ""
         seen, t0 = self.seen_restarts, time.monotonic()
         for attempt in range(MAX_RESYNCS + 1 if resync is None else MAX_RESYNCS):
@@ -248,7 +329,13 @@ class Coordinator:
                 if reason is not None:
                     seen = self.buffer.restarts("server")  # before: a restart during the re-sync triggers another
                     how = await self.pusher.reform()
-                res = await self.pusher.update(weights, version)
+                if in_phase and self._release:
+                    await self.pusher.resume_memory(["weights"])  # a restarted server has nothing released
+                elif self.colocated and not in_phase:
+                    # outside a phase (start, re-sync, a phase a server's death broke): all memory back
+                    # first, then the update pauses and continues the servers itself
+                    await self.pusher.resume_memory(None)
+                res = await self.pusher.update(weights, version, paused=in_phase)
             except WeightPushError as e:
                 err = e
                 reason = reason or "a weight push failed"
@@ -395,6 +482,9 @@ class Follower:
     async def start(self, *a, **kw) -> None: ...
     async def fetch(self, version: int, stopping) -> Batch: return Batch()  # noqa: E704
     async def push(self, weights, version: int) -> dict: return {"push_s": 0.0}  # noqa: E704
+    async def end_generation(self) -> None: ...
+    async def start_generation(self, sleep) -> None: ...
+    def note_phase(self, **seconds: float) -> None: ...
     def set_version(self, version: int) -> None: ...
     def published(self, *a) -> None: ...
     def commit(self, step: int) -> None: ...
@@ -419,6 +509,9 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     # Before any compute: `launcher replay` sets the same count, so it reproduces this run's numbers.
     torch.set_num_threads(cfg.train.torch_threads)
     rank = init_pool_from_env(cfg.train.collective_timeout_s, device)
+    from allocation import parse_allocation
+
+    colocated = parse_allocation(cfg.allocation).colocated  # `<generation>|<training>`: phases per step
     trainer = Trainer.from_config(cfg, LayoutSpec.from_allocation(cfg.allocation), device=device)
     if rank == 0:
         _log(f"precision: {trainer.precision_policy}")  # model.dtype computes; train.master_dtype holds the state
@@ -443,6 +536,10 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     # newer weights from steps this checkpoint does not have), and again if a server restarts.
     weights = trainer.weight_source()
     await coord.start(extra, version, trainer.layout, weights, rollback=ckpt.rollback)
+    # colocate.offload_learner: the learner's state leaves the devices while the servers generate
+    offload = colocated and cfg.colocate.offload_learner
+    if offload:
+        trainer.sleep()  # co-located: the servers generate first; every rank sleeps until the first batch
     coord.set_version(version)
     coord.maybe_request_eval(version, step)
     # SIGTERM/SIGINT (launcher stop, Ctrl-C): rank 0 finishes the step in hand, tells the other
@@ -459,18 +556,28 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         # Rank 0 may still be collecting a validation or pushing (minutes): the others wait for it
         # here, outside the checkpoint's collectives and their timeout.
         trainer.layout.leader_ready(f"finish step {step}'s validation and weight push, then checkpoint it")
+        trainer.wake()  # co-located: the AdamW state back where the save reads it (no-op when awake)
         ckpt.save(trainer, step, coord.checkpoint_extra(step, version))
         coord.commit(step)
         last_saved = step
 
     while step < cfg.train.total_steps:
         batch = await coord.fetch(version, stopping)
+        if batch is not None and colocated:
+            # Co-located: the validation of the served version runs on the servers too; it ends before
+            # they pause. Then they release the devices to this pool (no-ops when disaggregated).
+            await coord.collect_eval(stopping, trained_since_push=False)
+            await coord.end_generation()
         groups, shared = broadcast_groups(batch.groups if batch else [], version if batch else _STOP, trainer.layout)
         if shared == _STOP:
             stopped = True
             break
         step += 1
+        wake_s = trainer.wake()  # co-located: state back on the devices (no-op when it never slept)
         stats = trainer.train_step(groups, version)  # B groups, always (fetch replaces every drop)
+        if offload:  # every rank: gradients freed, AdamW state off the device before the handoff needs room
+            trainer.sleep(keep_params=True)
+        coord.note_phase(wake_s=wake_s, train_s=stats["step_s"])
         await coord.collect_eval(stopping, trained_since_push=True)
         push = await coord.push(weights, version + 1)  # the other ranks serve its gathers from their next wait
         version += 1
@@ -483,6 +590,9 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
             coord.commit(step)  # no checkpoint to replay from: a restart starts over anyway
         elif ckpt.should_save(step) or step == cfg.train.total_steps:
             checkpoint_and_commit()
+        # Co-located: the learner sleeps (every rank) and the servers take the devices back — after the
+        # checkpoint, which needs the learner's state where it trains. Disaggregated: nothing.
+        await coord.start_generation(lambda: trainer.sleep(followers=True) if offload else 0.0)
 
     await coord.collect_eval(stopping, trained_since_push=False)  # the last validation, if one is running (none when stopping)
     # The others serve rank 0's last push from here (its gathers), and a re-sync during that validation.

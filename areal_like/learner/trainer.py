@@ -686,10 +686,39 @@ class Trainer:
         It reads the live weights: push it before the next `train_step`."""
         return self.actor.weights(announce=self.layout.leader_command)
 
+    # ---- co-located mode -----------------------------------------------------------------------------
+    def _models(self) -> list[ShardedModel]:
+        return [m for m in (self.actor, self.critic, self.ref) if m is not None]
+
+    def sleep(self, *, followers: bool = False, keep_params: bool = False) -> float:
+        """Between training phases of a co-located run: every model of this rank sleeps
+        (`ShardedModel.sleep`: gradients freed; on CUDA its state to host memory, then the cache emptied;
+        `keep_params`: the parameters stay, for the weight handoff that reads them).
+        `followers` (rank 0): the other ranks do the same from their wait for rank 0 (`leader_command`).
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if followers:
+            self.layout.leader_command("sleep all -")
+        for m in self._models():
+            m.sleep(keep_params=keep_params)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return time.perf_counter() - t0
+
+    def wake(self) -> float:
+        """Undo `sleep` on this rank (no-op when awake). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        for m in self._models():
+            m.wake()
+        return time.perf_counter() - t0
+
     def serve_command(self, cmd: str) -> None:
         """A follower runs rank 0's `leader_command`: `gather <role> <i,j,…>` = its part of rank 0's
-        reading those tensors of that model (`GatheredWeights.open`)."""
+        reading those tensors of that model (`GatheredWeights.open`); `sleep all -` = `sleep()`."""
         verb, role, idx = cmd.split(" ", 2)
+        if verb == "sleep":
+            self.sleep()
+            return
         model = {"actor": self.actor, "critic": self.critic}.get(role) if verb == "gather" else None
         if model is None:
             raise RuntimeError(f"learner rank {self.layout.rank}: unknown command from rank 0: {cmd[:80]!r}")

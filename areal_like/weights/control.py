@@ -6,7 +6,8 @@ The verbs (co-located mode, issue 27, composes them per step; a disaggregated ru
     wait_servers          every server answers /health (a restarted one, started paused, counts)
     pause / resume        /pause_generation (abort | retract | in_place) and /continue_generation
     update(weights, v)    one weight update: pause → the transport's bytes → (flush) → continue; every
-                          server then reports weight_version v
+                          server then reports weight_version v. `paused=True`: the caller holds the
+                          servers paused (a co-located phase) and continues them itself
     release_memory(tags)  SGLang's /release_memory_occupation: the servers free their KV cache and/or
                           weights (tags "kv_cache", "weights"; None = all) — paused servers only
     resume_memory(tags)   /resume_memory_occupation: allocate them again (released weights come back
@@ -14,8 +15,9 @@ The verbs (co-located mode, issue 27, composes them per step; a disaggregated ru
     reform                after a server restarted or an update failed: wait for the servers and set
                           the transport up again; the caller updates next (which also continues)
 
-Transports: `WeightPusher` (bucketed torch.distributed broadcast; NCCL to SGLang, gloo to our servers)
-and `DiskWeightPusher` (HF safetensors dirs + /update_weights_from_disk), both `ServerAdmin`s, picked by
+Transports: `WeightPusher` (bucketed torch.distributed broadcast; NCCL to SGLang, gloo to our servers),
+`DiskWeightPusher` (HF safetensors dirs + /update_weights_from_disk) and `SharedMemoryWeightPusher`
+(co-located: shared-memory segments + /update_weights_from_tensor), all `ServerAdmin`s, picked by
 `weights.make_weight_pusher` from `weights.mode`. The learner's `Coordinator` is written against this
 Protocol, not a class.
 """
@@ -41,7 +43,7 @@ class GenerationControl(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def update(self, weights: Any, version: int) -> dict[str, Any]: ...
+    async def update(self, weights: Any, version: int, *, paused: bool = False) -> dict[str, Any]: ...
 
     async def release_memory(self, tags: list[str] | None = None) -> None: ...
 

@@ -205,8 +205,10 @@ class DiskWeightPusher(ServerAdmin):
     def version_dir(self, version: int) -> str:
         return os.path.join(self.out_dir, f"v{version:08d}")
 
-    async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
+                     paused: bool = False) -> dict[str, float]:
         """Write → pause → every server loads it → continue. Sets every server's weight_version to str(version).
+        `paused=True`: the caller paused the servers and continues them (no pause, flush or continue here).
         `weights`: a `WeightSource` (streamed shard by shard) or a list of (name, tensor).
 
         On a failed load the servers keep (roll back to) their old weights; generation is continued
@@ -219,21 +221,23 @@ class DiskWeightPusher(ServerAdmin):
         nbytes = await asyncio.to_thread(write_hf_checkpoint, weights, path, self.model_path, self.dtype,
                                          self.shard_bytes)
         t_written = time.perf_counter()
-        await self.pause("abort")
+        if not paused:
+            await self.pause("abort")
         t_paused = time.perf_counter()
         failure: BaseException | None = None
         try:
             await self._begin_or_end("/begin_weight_update")
             # Paused (abort): nothing runs, so flushing the cache is safe on every SGLang release.
             await self._all("/update_weights_from_disk", {"model_path": path, "load_format": None,
-                                                          "abort_all_requests": False, "flush_cache": True,
+                                                          "abort_all_requests": False, "flush_cache": not paused,
                                                           "weight_version": str(version)})
             await self._begin_or_end("/end_weight_update")
         except BaseException as e:
             failure = e
         finally:
             # Every server serves a complete set (new, or old after its rollback): generation goes on.
-            await self.resume()
+            if not paused:
+                await self.resume()
         if failure is not None:
             raise failure
         t_end = time.perf_counter()

@@ -1,18 +1,21 @@
-"""`weights.mode` → the learner's `weights.control.GenerationControl`: `WeightPusher` or `DiskWeightPusher`
-(`await init()`, `await update(named_tensors, version) -> {"push_s", "pause_window_s", …}`, …, `await close()`)."""
+"""`weights.mode` → the learner's `weights.control.GenerationControl`: `WeightPusher`, `DiskWeightPusher` or
+`SharedMemoryWeightPusher` (`await init()`, `await update(named_tensors, version) -> {"push_s",
+"pause_window_s", …}`, …, `await close()`)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from areal_like.weights.disk import DiskWeightPusher
 from areal_like.weights.push import WeightPusher
+from areal_like.weights.shm import SharedMemoryWeightPusher
 
 DISK_DIR = "weights_disk"  # under the run dir: the versioned checkpoint dirs of `weights.mode=disk`
 
 
 def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_port: int,
-                       incarnation: int) -> WeightPusher | DiskWeightPusher:
+                       incarnation: int) -> WeightPusher | DiskWeightPusher | SharedMemoryWeightPusher:
     """The pusher `cfg.weights.mode` asks for, to the servers of `endpoints` (`api.run_files.Endpoints`).
 
     distributed: bucketed broadcast in a group rank 0 forms on `weight_port`; a fresh group name per
@@ -20,10 +23,14 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept; safetensors files of
     at most `weights.bucket_mb`), configs and tokenizer files copied from `model_path`; `weight_port`
     and `incarnation` are unused.
-    Both cast floating-point tensors to the servers' dtype (`server.dtype`)."""
+    memory (co-located): buckets of `weights.bucket_mb` through two shared-memory segments named after the
+    run dir (weights/shm.py).
+    All cast floating-point tensors to the servers' dtype (`server.dtype`)."""
     mode = cfg.weights.mode
-    if mode not in ("distributed", "disk"):
-        raise ValueError(f"weights.mode={mode!r}: use 'distributed' or 'disk'")
+    if mode == "auto":
+        mode = cfg.resolved_weights_mode()
+    if mode not in ("distributed", "disk", "memory"):
+        raise ValueError(f"weights.mode={mode!r}: use 'auto', 'distributed', 'disk' or 'memory'")
     # The servers' dtype (`launcher run` resolved `auto` into config.json; a config that did not pass
     # through it resolves here the same way, SGLang being the NCCL group's peer). Every push casts to it.
     dtype = cfg.resolved_server_dtype(sglang=endpoints.weight_backend == "nccl")
@@ -31,6 +38,12 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                 dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20))
+    if mode == "memory":
+        # one run's segments share a prefix: a restarted learner removes what a killed one left
+        owner = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:12]
+        return SharedMemoryWeightPusher(endpoints.servers, owner=owner, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
+                                        timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
+                                        dtype=dtype)
     if mode == "distributed":
         devices = endpoints.server_devices
         if devices is not None:  # per server: a device count, or its device list (count = its length)
@@ -43,4 +56,4 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
             # our embedded servers receive bucket k+1 while they load bucket k; SGLang (NCCL) does not
             overlap_loads=endpoints.weight_backend != "nccl",
         )
-    raise ValueError(f"weights.mode={mode!r}: use 'distributed' or 'disk'")
+    raise ValueError(f"weights.mode={mode!r}: use 'auto', 'distributed', 'disk' or 'memory'")

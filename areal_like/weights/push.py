@@ -209,8 +209,10 @@ class WeightPusher(ServerAdmin):
         await self._form_group()
         return f"re-formed the weight group as {self.group_name!r} on {self.master_addr}:{self.master_port}"
 
-    async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+    async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
+                     paused: bool = False) -> dict[str, float]:
         """Pause → bucketed broadcast → continue. Sets every server's weight_version to str(version).
+        `paused=True`: the caller paused the servers and continues them (no pause, flush or continue here).
 
         `weights`: a `WeightSource` (a sharded learner's gathers one bucket at a time) or a list of
         (name, tensor). Buckets are planned from its metadata; each is filled tensor by tensor, cast
@@ -240,7 +242,8 @@ class WeightPusher(ServerAdmin):
 
         # The first bucket is filled before the pause: generation does not wait for it.
         next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, 0)) if self.flattened and buckets else None
-        await self.pause("abort")
+        if not paused:
+            await self.pause("abort")
         t_paused = time.perf_counter()
         await self._begin_or_end("/begin_weight_update")
         unanswered: list[asyncio.Future] = []  # overlap_loads: the replies of earlier buckets
@@ -291,8 +294,9 @@ class WeightPusher(ServerAdmin):
         # prefixes in its radix cache, so a resubmitted prefix would continue on the old weights' KV
         # while labelled with the new version. Paused (abort), nothing runs, so the flush is accepted
         # (requests sent meanwhile wait in SGLang's tokenizer, not in the scheduler).
-        await self._all("/flush_cache", {})
-        await self.resume()
+        if not paused:
+            await self._all("/flush_cache", {})
+            await self.resume()
         if device.type == "cuda":
             # On a GPU the bucket buffers go back to the caching allocator between pushes (training reuses
             # the blocks; a new one costs no page faults there). On the host they stay: see _FlatBuffers.

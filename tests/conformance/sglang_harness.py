@@ -193,6 +193,22 @@ class Recorder:
     async def resume_memory_occupation(self, obj, request=None):
         self._event("resume_memory", type=type(obj).__name__, tags=obj.tags)
 
+    async def update_weights_from_tensor(self, obj, request=None):
+        # `obj` is SGLang's own UpdateWeightsFromTensorReqInput, parsed by its route (base64 → bytes); the
+        # payload is recorded, not loaded (SGLang's loader unpickles CUDA-IPC handles: a GPU's job)
+        import json as _json
+
+        payloads = []
+        for b in obj.serialized_named_tensors:
+            try:
+                payloads.append(_json.loads(bytes(b)))
+            except ValueError:
+                payloads.append(None)
+        self._event("update_tensor", type=type(obj).__name__, load_format=obj.load_format,
+                    flush_cache=obj.flush_cache, weight_version=obj.weight_version, payloads=payloads,
+                    abort_all_requests=obj.abort_all_requests, success=True)
+        return True, "recorded"
+
     async def freeze_gc(self):  # SGLang's post-warm-up call
         pass
 

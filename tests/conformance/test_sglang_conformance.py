@@ -37,7 +37,7 @@ from areal_like.api.net import free_port
 from areal_like.engine.client import GenerationClient
 from areal_like.engine.sglang_args import (SUPPORTED_SGLANG, build_sglang_servers, require_sglang,
                                            sglang_server_flags)
-from areal_like.weights import WeightPusher
+from areal_like.weights import SharedMemoryWeightPusher, WeightPusher
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = os.environ.get("AREAL_LIKE_SGLANG_CONFORMANCE_PYTHON", str(ROOT / ".venv-sglang-conformance" / "bin" / "python"))
@@ -375,3 +375,36 @@ def test_release_and_resume_memory_reach_sglang_as_its_request_types(harness):
         ("release_memory", "ReleaseMemoryOccupationReqInput", ["kv_cache", "weights"]),
         ("resume_memory", "ResumeMemoryOccupationReqInput", ["weights"]),
         ("resume_memory", "ResumeMemoryOccupationReqInput", None)]
+
+
+def test_the_shm_handoff_reaches_sglang_as_its_update_from_tensor_request(harness):
+    """Issue 27 item 6: the co-located handoff's request through SGLang's own route and auth: SGLang parses
+    each bucket into its `UpdateWeightsFromTensorReqInput` — one base64 entry (our JSON descriptor, decoded
+    by SGLang's Base64Bytes schema intact), `load_format` as sent, the version on the last bucket only,
+    no flush per bucket — between its pause and continue. Not checked here: SGLang's scheduler loading it
+    (its loader unpickles CUDA-IPC handles; `areal_like_shm` is our embedded server's format, and the config
+    refuses SGLang co-located until that CUDA-IPC path exists)."""
+    h = harness()
+    weights = [("model.embed_tokens.weight", torch.randn(8, 4)), ("lm_head.weight", torch.randn(8, 4)),
+               ("model.norm.weight", torch.ones(4))]
+
+    async def go():
+        p = SharedMemoryWeightPusher([h.url], owner=f"conf{os.getpid()}", bucket_bytes=160, timeout_s=60,
+                                     admin_api_key=ADMIN)
+        try:
+            await p.init()
+            return await p.update(weights, 12)
+        finally:
+            await p.close()
+
+    res = asyncio.run(go())
+    ev = [e for e in h.record()["events"] if e["kind"] in ("pause", "update_tensor", "flush", "continue")]
+    kinds = [e["kind"] for e in ev]
+    assert kinds == ["pause"] + ["update_tensor"] * res["buckets"] + ["flush", "continue"] and res["buckets"] == 2
+    ups = [e for e in ev if e["kind"] == "update_tensor"]
+    assert all(e["type"] == "UpdateWeightsFromTensorReqInput" and e["load_format"] == "areal_like_shm"
+               and e["flush_cache"] is False and e["abort_all_requests"] is False for e in ups)
+    assert [e["weight_version"] for e in ups] == [None, "12"]
+    names = [t["name"] for e in ups for t in e["payloads"][0]["tensors"]]
+    assert sorted(names) == sorted(n for n, _ in weights)
+    assert all(e["payloads"][0]["path"].startswith(os.path.join("/dev/shm", "areal_like-")) for e in ups)

@@ -27,7 +27,10 @@ def _allowed(pid: int) -> set[str]:
     return out
 
 
-def test_launcher_run_pins_roles_by_kind(tmp_path, demo_assets):
+@pytest.mark.parametrize("colocated", [False, True])
+def test_launcher_run_pins_roles_by_kind(tmp_path, demo_assets, colocated):
+    """Disaggregated: each kind on its own CPUs. Co-located (`embedded:d1|fsdp:d1`): the server and the
+    learner share the devices, so `launcher.cpu_affinity.server` alone pins both."""
     model, data = demo_assets
     cpus = sorted(os.sched_getaffinity(0))
     gen, train = str(cpus[0]), str(cpus[-1])
@@ -35,8 +38,9 @@ def test_launcher_run_pins_roles_by_kind(tmp_path, demo_assets):
     argv = [sys.executable, "-m", "launcher", "run", "--config", os.path.join(ROOT, "configs/demo.yaml"),
             "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]", "data.val_files=[]",
             "train.test_freq=0", "train.total_steps=1000", "train.batch_size=2", "generation.n=2",
-            f"launcher.cpu_affinity.server={gen}", f"launcher.cpu_affinity.learner={train}",
+            f"launcher.cpu_affinity.server={gen}",
             f"launcher.cpu_affinity.rollout={gen}", f"launcher.cpu_affinity.redis={train}"]
+    argv += ["--allocation", "embedded:d1|fsdp:d1"] if colocated else [f"launcher.cpu_affinity.learner={train}"]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -46,7 +50,7 @@ def test_launcher_run_pins_roles_by_kind(tmp_path, demo_assets):
             assert time.monotonic() < deadline, "the run never completed a step"
             time.sleep(0.2)
         roles = json.loads((run_dir / "pids.json").read_text())["roles"]
-        want = {"server0": gen, "learner": train, "rollout0": gen, "redis": train}
+        want = {"server0": gen, "learner": gen if colocated else train, "rollout0": gen, "redis": train}
         got = {name: _allowed(roles[name]) for name in want}
         assert got == {name: {c} for name, c in want.items()}
         assert len(os.listdir(f"/proc/{roles['server0']}/task")) > 1  # a threaded role: all its threads

@@ -1,16 +1,26 @@
-"""Both transports are the learner's GenerationControl handle (weights/control.py): every verb the
-co-located runtime composes exists on each, with the Protocol's names."""
+"""Every transport is the learner's GenerationControl handle (weights/control.py): every verb the
+co-located runtime composes exists on each, with the Protocol's names; nothing else in the package
+talks to a server's admin routes."""
 
 import inspect
+import os
+import re
 
 import pytest
 
-from areal_like.weights import MEMORY_TAGS, DiskWeightPusher, GenerationControl, WeightPusher
+from areal_like.api.config import ConfigError, ExperimentConfig
+from areal_like.engine.server import ADMIN_PATHS
+from areal_like.weights import (MEMORY_TAGS, DiskWeightPusher, GenerationControl, SharedMemoryWeightPusher,
+                                WeightPusher, make_weight_pusher)
+from areal_like.api.run_files import Endpoints
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("make", [
     lambda tmp: WeightPusher(["http://127.0.0.1:9"], master_port=1),
     lambda tmp: DiskWeightPusher(["http://127.0.0.1:9"], out_dir=str(tmp), model_path=str(tmp)),
+    lambda tmp: SharedMemoryWeightPusher(["http://127.0.0.1:9"], owner="x"),
 ])
 def test_each_transport_is_a_generation_control(tmp_path, make):
     handle = make(tmp_path)
@@ -18,7 +28,73 @@ def test_each_transport_is_a_generation_control(tmp_path, make):
     for verb in ("init", "close", "wait_servers", "pause", "resume", "update", "release_memory",
                  "resume_memory", "reform"):
         assert inspect.iscoroutinefunction(getattr(handle, verb)), verb
+    assert "paused" in inspect.signature(handle.update).parameters  # the co-located phase holds the servers
+
+
+# The transports (and their shared admin session), the server that serves the routes, and the launcher's
+# supervisor, which pauses a restarted SGLang server before the learner re-syncs it (it cannot import the
+# torch-side transports).
+ADMIN_CALLERS = {"areal_like/weights/admin.py", "areal_like/weights/push.py", "areal_like/weights/disk.py",
+                 "areal_like/weights/shm.py", "areal_like/engine/server.py", "launcher/run.py"}
+
+
+def test_only_the_transports_call_admin_routes():
+    """The learner loop and the weight code reach the servers through the handle: no other module of the
+    package names an admin route of the servers."""
+    pattern = re.compile("|".join(re.escape(f'"{p}"') for p in sorted(ADMIN_PATHS)))
+    found = {}
+    for top in ("areal_like", "launcher"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, f), ROOT)
+                    with open(os.path.join(ROOT, rel)) as fh:
+                        hits = pattern.findall(fh.read())
+                    if hits and rel not in ADMIN_CALLERS:
+                        found[rel] = sorted(set(hits))
+    assert not found, f"admin routes called outside the transports: {found}"
+    assert "/release_memory_occupation" in ADMIN_PATHS and "/update_weights_from_tensor" in ADMIN_PATHS
+
+
+def _cfg(allocation: str, **weights) -> ExperimentConfig:
+    cfg = ExperimentConfig(allocation=allocation)
+    for k, v in weights.items():
+        setattr(cfg.weights, k, v)
+    return cfg
+
+
+def test_weights_mode_auto_follows_the_allocation(tmp_path):
+    ep = Endpoints(servers=["http://127.0.0.1:9"], learner_host="127.0.0.1")
+    co = _cfg("embedded:d1|fsdp:d1")
+    co.validate()
+    assert co.resolved_weights_mode() == "memory"
+    p = make_weight_pusher(co, ep, model_path="m", run_dir=str(tmp_path), weight_port=1, incarnation=0)
+    assert isinstance(p, SharedMemoryWeightPusher) and p.bucket_bytes == int(co.weights.bucket_mb * 2**20)
+    dis = _cfg("embedded.d1p1t1+d1p1t1")
+    assert dis.resolved_weights_mode() == "distributed"
+    assert isinstance(make_weight_pusher(dis, ep, model_path="m", run_dir=str(tmp_path), weight_port=1,
+                                         incarnation=0), WeightPusher)
+
+
+@pytest.mark.parametrize("allocation,weights,match", [
+    ("embedded:d1|fsdp:d1", {"mode": "distributed"}, "weights.mode=auto"),
+    ("embedded:d1|fsdp:d1", {"mode": "disk"}, "co-located"),
+    ("embedded.d1p1t1+d1p1t1", {"mode": "memory"}, "co-located allocation"),
+    ("sglang:d2|fsdp:d2", {}, "embedded:d2|fsdp:d2"),
+])
+def test_colocated_settings_that_cannot_run_name_the_fix(allocation, weights, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(allocation, **weights).validate()
 
 
 def test_memory_tags_are_sglangs():
     assert MEMORY_TAGS == ("kv_cache", "weights")  # sglang.srt.constants.GPU_MEMORY_TYPE_{KV_CACHE,WEIGHTS}
+
+
+def test_colocated_roles_cannot_be_pinned_apart():
+    cfg = _cfg("embedded:d1|fsdp:d1")
+    cfg.launcher.cpu_affinity = {"server": "0", "learner": "0"}
+    cfg.validate()  # equal lists are fine
+    cfg.launcher.cpu_affinity = {"server": "0", "learner": "1"}
+    with pytest.raises(ConfigError, match="launcher.cpu_affinity.server.*co-locates"):
+        cfg.validate()

@@ -185,6 +185,7 @@ class ShardedModel:
             for _, p in self.local:
                 p.requires_grad_(False)
         self.optimizer_steps = 0
+        self.asleep: set[str] = set()  # what `sleep()` moved to host memory ("optimizer", "params") until `wake()`
 
     # ---- gradients and the optimizer step ----------------------------------------------------------
     def zero_grad(self) -> None:
@@ -239,6 +240,38 @@ class ShardedModel:
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
                 local_tensor(p).copy_(local_tensor(m))
+
+    # ---- co-located mode: sleep between training phases -------------------------------------------
+    def sleep(self, *, keep_params: bool = False) -> None:
+        """Free the gradients; on a CUDA rank move the AdamW state and (unless `keep_params`) the
+        parameters — FSDP's shards, unless its CPU offload keeps them on the host already — and the
+        separate master to host memory: what verl's hybrid engine offloads while the co-located servers
+        generate. `keep_params`: before the weight handoff, which reads them. On CPU nothing moves."""
+        self.zero_grad()
+        if self.device.type != "cuda":
+            return
+        host = torch.device("cpu")
+        if self.optimizer is not None and not self.optimizer_offload and "optimizer" not in self.asleep:
+            self._optimizer_state_to(host)
+            self.asleep.add("optimizer")
+        if not keep_params and "params" not in self.asleep:
+            if not self.param_offload:
+                self.stage_module.to(host)  # FSDP2 re-registers its sharded parameters after `_apply`
+            for m in self.master:
+                m.data = m.data.to(host)
+            self.asleep.add("params")
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def wake(self) -> None:
+        """Undo `sleep`: what it moved goes back to the device."""
+        if "params" in self.asleep:
+            if not self.param_offload:
+                self.stage_module.to(self.device)
+            for m in self.master:
+                m.data = m.data.to(self.device)
+        if "optimizer" in self.asleep:
+            self._optimizer_state_to(self.device)
+        self.asleep.clear()
 
     def reshard(self) -> None:
         """Free the all-gathered parameters FSDP kept after a forward without backward (the root's,
