@@ -236,6 +236,8 @@ class TrainSettings:
     server_dtype: str = "bfloat16"  # resolved server.dtype
     mem_fraction_static: float | None = None
     math_attention: bool = False  # SDPA's math kernel (CPU with GQA): s×s scores while a layer runs
+    release_memory: bool = True  # colocate.release_memory: co-located servers free KV cache + weights in training
+    offload_learner: bool = True  # colocate.offload_learner: the co-located learner's state off the device meanwhile
 
     @classmethod
     def from_config(cls, cfg: Any, *, sglang: bool, seq_len: int | None = None,
@@ -250,7 +252,8 @@ class TrainSettings:
                    pp_schedule=cfg.train.pp_schedule, pp_microbatches=cfg.train.pp_microbatches,
                    critic=alg.adv_estimator == "gae", reference=alg.kl_loss_on or alg.kl_reward_on,
                    server_dtype=cfg.resolved_server_dtype(sglang=sglang),
-                   mem_fraction_static=cfg.server.mem_fraction_static)
+                   mem_fraction_static=cfg.server.mem_fraction_static,
+                   release_memory=cfg.colocate.release_memory, offload_learner=cfg.colocate.offload_learner)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -268,10 +271,12 @@ class DeviceMemory:
     kv_cache_tokens: int | None = None
     capacity: int = 0
     info: dict[str, int] = field(default_factory=dict)  # shown, not summed (the other checkpointing setting)
+    phases: dict[str, int] | None = None  # co-located: bytes in each phase of a step (`colocated_phases`)
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.parts.values())
+        """The parts' sum; on a co-located device the fullest phase (its roles take turns)."""
+        return max(self.phases.values()) if self.phases else sum(self.parts.values())
 
     @property
     def fits(self) -> bool:
@@ -285,8 +290,37 @@ class DeviceMemory:
                              "total_bytes": self.total_bytes, "capacity_bytes": self.capacity, "fits": self.fits}
         if self.kv_cache_tokens is not None:
             d["kv_cache_tokens"] = self.kv_cache_tokens
+        if self.phases:
+            d["colocated_phases"] = dict(self.phases)
+            d["colocated_without_release_bytes"] = sum(self.parts.values())
         d.update(self.info)
         return d
+
+
+def colocated_phases(parts: dict[str, int], s: TrainSettings) -> dict[str, int]:
+    """A device whose server and learner take turns (co-located allocation): its bytes in each phase.
+
+    generation  the server's weights and KV cache + what the sleeping learner keeps there (its runtime;
+                its parameters, master and AdamW state unless colocate.offload_learner)
+    training    the learner's every part + what the paused server keeps (nothing once released; its
+                weights and KV cache with colocate.release_memory=false)
+    handoff     the learner's parameters (+ reference, critic) and runtime — gradients freed, AdamW state
+                offloaded already with colocate.offload_learner, else all but activations and logits — +
+                the server's weights, resumed to receive the new ones (the KV cache comes back after the
+                learner sleeps)"""
+    learner = {k: v for k, v in parts.items() if k in LEARNER_KEYS}
+    weights, kv = parts.get("weights_bytes", 0), parts.get("kv_cache_bytes", 0)
+    state = sum(v for k, v in learner.items() if k in ("params_bytes", "optimizer_bytes", "reference_bytes",
+                                                          "critic_bytes"))
+    runtime = learner.get("runtime_bytes", 0)
+    released = 0 if s.release_memory else weights + kv
+    return {"generation_bytes": weights + kv + runtime + (0 if s.offload_learner else state),
+            "training_bytes": sum(learner.values()) + released,
+            "handoff_bytes": (sum(v for k, v in learner.items() if k in ("params_bytes", "reference_bytes",
+                                                                            "critic_bytes", "runtime_bytes"))
+                              if s.offload_learner else
+                              sum(v for k, v in learner.items() if k not in ("activations_bytes", "logits_bytes")))
+            + weights + (0 if s.release_memory else kv)}
 
 
 def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stage: int, dp: int = 1) -> dict[str, int]:
@@ -413,6 +447,10 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
                                       dp=t.dp)
                 key = f"activations_{'with' if on else 'without'}_checkpointing_bytes"
                 d.info[key] = d.info.get(key, 0) + other["activations_bytes"]
+    if placement.allocation.colocated:  # servers and learner ranks take turns on each shared device
+        for d in devs.values():
+            if any(r.startswith("server") for r in d.roles) and any(r.startswith("learner") for r in d.roles):
+                d.phases = colocated_phases(d.parts, settings)
     plan = MemoryPlan(sorted(devs.values(), key=lambda d: (d.node, d.device)), shape, settings, capacity)
     if suggest and not plan.fits:
         plan.fixes = suggest_fixes(placement, shape, settings, capacity)
@@ -554,6 +592,13 @@ def format_memory(plan: MemoryPlan) -> str:
                      f"{fmt_bytes(worst.info['activations_without_checkpointing_bytes'])} without checkpointing, "
                      f"{fmt_bytes(worst.info['activations_with_checkpointing_bytes'])} with "
                      "(model.enable_gradient_checkpointing)")
+    for d in plan.devices:
+        if d.phases:
+            p = d.phases
+            lines.append(f"co-located {d.node}:{d.device} (total = its fullest phase): generation {fmt_bytes(p['generation_bytes'])}, "
+                         f"training {fmt_bytes(p['training_bytes'])}, handoff {fmt_bytes(p['handoff_bytes'])}"
+                         + (f"; without colocate.release_memory {fmt_bytes(sum(d.parts.values()))}"
+                            if s.release_memory else " (colocate.release_memory=false: the server keeps its memory)"))
     over = plan.over()
     if over:
         lines.append(f"does not fit: {len(over)} of {len(plan.devices)} devices over {fmt_bytes(plan.capacity)}")

@@ -239,3 +239,31 @@ def test_launcher_run_refuses_a_plan_over_its_cuda_devices(tmp_path: Path, demo_
                              env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, timeout=300)
     assert "the plan does not fit its devices" not in out, out
     assert run_dir.exists(), out
+
+
+def test_colocated_devices_count_their_fullest_phase(tmp_path: Path) -> None:
+    """Issue 27: server and learner take turns on a co-located device, so it needs its fullest phase —
+    generation (server weights + KV cache, the sleeping learner's runtime), training (the learner; the
+    server released), handoff (learner parameters + the server's resumed weights) — not their sum."""
+    model = _model(tmp_path, QWEN3_8B)
+    args = ("--allocation", "sglang:d2|fsdp:d2", "--model", model, "server.mem_fraction_static=0.4",
+            "model.dtype=bfloat16", "model.enable_gradient_checkpointing=true")
+    mem = _memory(tmp_path, *args)
+    assert len(mem["devices"]) == 2
+    for d in mem["devices"]:
+        ph = d["colocated_phases"]
+        learner = sum(d[k] for k in LEARNER_KEYS | {"runtime_bytes"})
+        assert ph["training_bytes"] == learner
+        assert ph["generation_bytes"] == d["weights_bytes"] + d["kv_cache_bytes"] + d["runtime_bytes"]
+        assert ph["handoff_bytes"] == d["params_bytes"] + d["runtime_bytes"] + d["weights_bytes"]
+        assert d["total_bytes"] == max(ph.values()) < d["colocated_without_release_bytes"] == learner + \
+            d["weights_bytes"] + d["kv_cache_bytes"]
+        assert d["fits"] is True  # 72 GiB at its fullest; 104 GiB if both held their memory at once
+    # without release the paused server keeps its memory: the sum again, over 80 GB, and the table says so
+    kept = _memory(tmp_path, *args, "colocate.release_memory=false")
+    assert all(d["total_bytes"] == d["colocated_without_release_bytes"] and not d["fits"] for d in kept["devices"])
+    table = _run(*args, tmp=tmp_path).stdout
+    assert "co-located 0:0 (total = its fullest phase): generation" in table and "fits: every device" in table
+    # a disaggregated plan has no phases
+    assert all("colocated_phases" not in d for d in _memory(tmp_path, "--allocation", "sglang:d2+fsdp:d2",
+                                                            "--model", model)["devices"])
