@@ -439,6 +439,7 @@ class Run:
                                        python=os.path.abspath(cfg.server.python) if cfg.server.python
                                        and os.sep in cfg.server.python else (cfg.server.python or sys.executable),
                                        weight_update=cfg.resolved_weights_mode(), dtype=cfg.server.dtype,
+                                       memory_saver=self.alloc.colocated and cfg.colocate.release_memory,
                                        fp32_lm_head=cfg.model.fp32_lm_head,
                                        mem_fraction_static=cfg.server.mem_fraction_static,
                                        # the workflows' limit, also SGLang's (else it takes the model's)

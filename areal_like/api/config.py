@@ -544,8 +544,8 @@ class WeightSyncConfig(_Section):
     """How new weights reach the servers after each step: `distributed` (bucketed torch.distributed
     broadcast, NCCL/gloo), `disk` (learner rank 0 writes an HF safetensors dir under
     `<run dir>/weights_disk/`, the servers load it with /update_weights_from_disk) or `memory` (co-located
-    runs only: rank 0 copies each bucket into shared memory, the servers load it with
-    /update_weights_from_tensor). `auto`: `memory` when the allocation is co-located
+    runs only: rank 0 copies each bucket into shared memory, or for SGLang servers sends CUDA-IPC handles of
+    it, and the servers load it with /update_weights_from_tensor). `auto`: `memory` when the allocation is co-located
     (`embedded:d1|fsdp:d1`), else `distributed`."""
     bucket_mb: float = 512.0
     """Bucket size of the push, in MiB: `distributed` broadcasts tensors in buckets of at most this,
@@ -859,11 +859,10 @@ class ExperimentConfig(_Section):
         except AllocationError:
             return
         tr, gen = alloc.training, alloc.generation
-        if alloc.colocated and gen is not None and gen.backend == "sglang":
-            raise ConfigError(f"allocation {self.allocation!r} co-locates SGLang servers with the learner; their "
-                              f"weight handoff (/update_weights_from_tensor with CUDA-IPC handles) is not built yet: "
-                              f"use the embedded engine co-located (e.g. 'embedded:d{gen.dp}|fsdp:d{gen.dp}') or "
-                              f"SGLang disaggregated ('sglang:d{gen.dp}+fsdp:d…')")
+        if alloc.colocated and gen is not None and gen.backend == "sglang" and gen.pp > 1:
+            raise ConfigError(f"allocation {self.allocation!r} co-locates SGLang servers with pipeline parallelism "
+                              f"(p{gen.pp}); their weight handoff (/update_weights_from_tensor, one payload per TP "
+                              f"rank) supports tensor parallelism only: use 'sglang:d{gen.dp}t{gen.tp * gen.pp}|…'")
         aff = self.launcher.cpu_affinity
         try:  # a malformed list is validate_cpu_affinity's to report
             differ = "server" in aff and "learner" in aff and \

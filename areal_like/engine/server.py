@@ -1006,17 +1006,23 @@ class GenerationServer:
             self._set_version(str(b["weight_version"]))
             self.weights_undefined = False  # a whole update landed
         metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
-        # SGLang's rule: `flush_cache` (default true) flushes after the load, and a flush refused
-        # because requests still run fails the update. No prefix cache here, but the same answer.
-        # (Requests held by the pause are not running: SGLang's tokenizer holds those too.)
-        if b.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
-            return web.json_response({"success": False, "message": (
-                "Weights were updated, but the cache was not flushed because requests are still running "
-                "or queued. Retract or finish them, then call /flush_cache.")})
+        refused = self._flush_refused(b)
+        if refused is not None:
+            return refused
         # recv_s/load_s: beyond SGLang's reply, where this server's time went (the receive includes the
         # wait for the trainer's broadcast to start; the load, the wait for earlier buckets' loads)
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors",
                                   "recv_s": t_recv - t0, "load_s": t_load - t_recv})
+
+    def _flush_refused(self, body: dict) -> web.Response | None:
+        """After a weight update's load: SGLang's rule — `flush_cache` (default true) flushes, and a flush
+        refused because requests still run or wait fails the update. No prefix cache here, but the same
+        answer. (Requests held by the pause are not running: SGLang's tokenizer holds those too.)"""
+        if body.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
+            return web.json_response({"success": False, "message": (
+                "Weights were updated, but the cache was not flushed because requests are still running "
+                "or queued. Retract or finish them, then call /flush_cache.")})
+        return None
 
     def _end_group_update(self, group_name: str) -> list[asyncio.Future]:
         """Forget the update in flight on `group_name`; its load futures (all done once the last one is)."""
@@ -1096,10 +1102,9 @@ class GenerationServer:
                 self._set_version(str(b["weight_version"]))
                 self.weights_undefined = False  # the update's last bucket landed
             metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
-        if b.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
-            return web.json_response({"success": False, "message": (
-                "Weights were updated, but the cache was not flushed because requests are still running "
-                "or queued. Retract or finish them, then call /flush_cache.")})
+        refused = self._flush_refused(b)
+        if refused is not None:
+            return refused
         return web.json_response({"success": True, "message": f"updated {len(named)} tensors",
                                   "load_s": time.perf_counter() - t0})
 

@@ -105,7 +105,7 @@ _SECRET_KEYS = {"--api-key": ("api-key", "server.api_key"),
 spelling without ``--``: ``ConfigArgumentMerger`` turns ``key: v`` into ``--key v`` verbatim, so the
 dest spelling (``api_key``) is an unknown flag to 0.5.23's parser (the conformance suite checks this)."""
 
-WeightUpdate = Literal["distributed", "disk"]
+WeightUpdate = Literal["distributed", "disk", "memory"]
 
 
 class SGLangArgsError(ValueError):
@@ -186,6 +186,7 @@ def build_sglang_servers(
     dtype: str | None = None,
     fp32_lm_head: bool = False,
     weight_update: WeightUpdate = "distributed",
+    memory_saver: bool = False,
     weight_version: str = "0",
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
@@ -199,6 +200,9 @@ def build_sglang_servers(
     (default ``127.0.0.1``, allowed only while every server is on node 0). ``host``: bind address
     (default: the node's address). ``dist_init_ports[k]``: required for servers spanning nodes.
     ``fp32_lm_head``: ``--enable-fp32-lm-head`` (`model.fp32_lm_head`).
+    ``weight_update`` ``memory``: co-located servers, updated through /update_weights_from_tensor (CUDA
+    IPC); ``memory_saver``: ``--enable-memory-saver``, so /release_memory_occupation frees GPU memory
+    (co-located runs with ``colocate.release_memory``; SGLang needs its ``torch_memory_saver`` package).
     ``supported_flags``: the release's flags (`sglang_server_flags`); None = assume a current
     release. ``secrets_file``: where the keys go (required when a key is set): argv gets
     ``--config secrets_file`` and each process's `SGLangProcess.write_secrets` writes the keys there
@@ -211,8 +215,12 @@ def build_sglang_servers(
         raise SGLangArgsError(f"allocation {alloc} has no generation part: nothing to launch")
     if gen.backend != "sglang":
         raise SGLangArgsError(f"generation backend is {gen.backend!r}, not 'sglang': use the {gen.backend} launcher")
-    if weight_update not in ("distributed", "disk"):
-        raise SGLangArgsError(f"weight_update must be 'distributed' or 'disk', got {weight_update!r}")
+    if weight_update not in ("distributed", "disk", "memory"):
+        raise SGLangArgsError(f"weight_update must be 'distributed', 'disk' or 'memory', got {weight_update!r}")
+    if gen.pp > 1 and weight_update == "memory":
+        raise SGLangArgsError(f"generation {gen} uses pipeline parallelism (p{gen.pp}); the co-located handoff "
+                              "(update_weights_from_tensor, one payload per TP rank) supports tensor parallelism "
+                              f"only: use sglang:d{gen.dp}t{gen.tp * gen.pp}")
     if gen.pp > 1 and weight_update == "distributed":
         raise SGLangArgsError(
             f"generation {gen} uses pipeline parallelism (p{gen.pp}), but SGLang's "
@@ -240,6 +248,9 @@ def build_sglang_servers(
     if dist_init_ports is not None:
         dist_init_ports = _per_server("dist_init_ports", dist_init_ports, n)
     flags = None if supported_flags is None else frozenset(supported_flags)
+    if memory_saver and flags is not None and "--enable-memory-saver" not in flags:
+        raise SGLangArgsError("co-located SGLang servers release their GPU memory through --enable-memory-saver, "
+                              "which this SGLang release lacks: upgrade sglang or set colocate.release_memory=false")
     if flags is not None:
         for flag, value in (("--api-key", api_key), ("--admin-api-key", admin_api_key)):
             if value and flag not in flags:
@@ -294,6 +305,8 @@ def build_sglang_servers(
             if not 0.0 < mem_fraction_static < 1.0:
                 raise SGLangArgsError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
             common += ["--mem-fraction-static", repr(float(mem_fraction_static))]
+        if memory_saver:  # co-located: /release_memory_occupation gives the GPU memory to the learner
+            common.append("--enable-memory-saver")
         if dtype is not None:  # the learner's dtype: weights pushed to the server arrive in it
             common += ["--dtype", dtype]
         if fp32_lm_head:

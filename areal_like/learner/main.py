@@ -538,8 +538,10 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     await coord.start(extra, version, trainer.layout, weights, rollback=ckpt.rollback)
     # colocate.offload_learner: the learner's state leaves the devices while the servers generate
     offload = colocated and cfg.colocate.offload_learner
-    if offload:
-        trainer.sleep()  # co-located: the servers generate first; every rank sleeps until the first batch
+    if offload and rank == 0:
+        # the servers generate first: every rank sleeps until the first batch — the others on rank 0's word,
+        # after they served the gathers of the push `start` made (a slept rank has no parameters to gather)
+        trainer.sleep(followers=True)
     coord.set_version(version)
     coord.maybe_request_eval(version, step)
     # SIGTERM/SIGINT (launcher stop, Ctrl-C): rank 0 finishes the step in hand, tells the other

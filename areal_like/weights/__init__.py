@@ -1,7 +1,8 @@
 """Weight sync between the learner and generation servers: a separate process group, bucketed
 broadcast (trainer side: `WeightPusher`; server side: `WeightReceiver`), or HF checkpoint dirs the
 servers load from disk (`DiskWeightPusher`), or shared-memory segments a co-located learner fills
-(`SharedMemoryWeightPusher`). `make_weight_pusher` picks one by `weights.mode`; each is the learner's
+(`SharedMemoryWeightPusher`), or CUDA-IPC handles to co-located SGLang servers (`CudaIpcWeightPusher`).
+`make_weight_pusher` picks one by `weights.mode`; each is the learner's
 `GenerationControl` handle (control.py)."""
 
 from areal_like.weights.control import MEMORY_TAGS, GenerationControl
@@ -10,7 +11,8 @@ from areal_like.weights.factory import make_weight_pusher
 from areal_like.weights.group import WeightGroup, init_weight_group
 from areal_like.weights.push import WeightPusher, WeightPushError, flatten_bucket, make_buckets
 from areal_like.weights.receive import WeightReceiver, unflatten_bucket
+from areal_like.weights.ipc import CudaIpcWeightPusher
 from areal_like.weights.shm import SharedMemoryWeightPusher
 
-__all__ = ["MEMORY_TAGS", "DiskWeightPusher", "GenerationControl", "SharedMemoryWeightPusher", "WeightGroup", "WeightPushError", "WeightPusher", "WeightReceiver", "flatten_bucket",
+__all__ = ["MEMORY_TAGS", "CudaIpcWeightPusher", "DiskWeightPusher", "GenerationControl", "SharedMemoryWeightPusher", "WeightGroup", "WeightPushError", "WeightPusher", "WeightReceiver", "flatten_bucket",
            "init_weight_group", "make_buckets", "make_weight_pusher", "unflatten_bucket"]

@@ -16,8 +16,9 @@ The verbs (co-located mode, issue 27, composes them per step; a disaggregated ru
                           the transport up again; the caller updates next (which also continues)
 
 Transports: `WeightPusher` (bucketed torch.distributed broadcast; NCCL to SGLang, gloo to our servers),
-`DiskWeightPusher` (HF safetensors dirs + /update_weights_from_disk) and `SharedMemoryWeightPusher`
-(co-located: shared-memory segments + /update_weights_from_tensor), all `ServerAdmin`s, picked by
+`DiskWeightPusher` (HF safetensors dirs + /update_weights_from_disk), and for co-located runs
+`SharedMemoryWeightPusher` (our servers: shared-memory segments + /update_weights_from_tensor) and
+`CudaIpcWeightPusher` (SGLang: CUDA-IPC handles + /update_weights_from_tensor), all `ServerAdmin`s, picked by
 `weights.make_weight_pusher` from `weights.mode`. The learner's `Coordinator` is written against this
 Protocol, not a class.
 """

@@ -8,6 +8,7 @@ import hashlib
 import os
 
 from areal_like.weights.disk import DiskWeightPusher
+from areal_like.weights.ipc import CudaIpcWeightPusher
 from areal_like.weights.push import WeightPusher
 from areal_like.weights.shm import SharedMemoryWeightPusher
 
@@ -15,7 +16,7 @@ DISK_DIR = "weights_disk"  # under the run dir: the versioned checkpoint dirs of
 
 
 def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_port: int,
-                       incarnation: int) -> WeightPusher | DiskWeightPusher | SharedMemoryWeightPusher:
+                       incarnation: int) -> WeightPusher | DiskWeightPusher | SharedMemoryWeightPusher | CudaIpcWeightPusher:
     """The pusher `cfg.weights.mode` asks for, to the servers of `endpoints` (`api.run_files.Endpoints`).
 
     distributed: bucketed broadcast in a group rank 0 forms on `weight_port`; a fresh group name per
@@ -23,8 +24,9 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept; safetensors files of
     at most `weights.bucket_mb`), configs and tokenizer files copied from `model_path`; `weight_port`
     and `incarnation` are unused.
-    memory (co-located): buckets of `weights.bucket_mb` through two shared-memory segments named after the
-    run dir (weights/shm.py).
+    memory (co-located): to our servers, buckets of `weights.bucket_mb` through two shared-memory segments
+    named after the run dir (weights/shm.py); to SGLang (the nccl backend), CUDA-IPC handles of buckets on
+    the learner's GPU, one payload per TP rank of each server (weights/ipc.py).
     All cast floating-point tensors to the servers' dtype (`server.dtype`)."""
     mode = cfg.weights.mode
     if mode == "auto":
@@ -38,6 +40,11 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                 dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20))
+    if mode == "memory" and endpoints.weight_backend == "nccl":  # co-located SGLang: CUDA-IPC handles
+        devices = endpoints.server_devices or [1] * len(endpoints.servers)
+        tp = [len(d) if isinstance(d, (list, tuple)) else int(d) for d in devices]
+        return CudaIpcWeightPusher(endpoints.servers, tp_per_server=tp, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
+                                   timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key, dtype=dtype)
     if mode == "memory":
         # one run's segments share a prefix: a restarted learner removes what a killed one left
         owner = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:12]

@@ -178,7 +178,8 @@ class SharedMemoryWeightPusher(ServerAdmin):
 
         `paused=False`: pause (abort) → buckets → /flush_cache → continue, as the broadcast pusher.
         `paused=True`: the caller paused the servers (a co-located phase) and continues them itself; no
-        flush (releasing the KV cache flushed it; a flush would be refused while retracted requests wait).
+        flush (releasing the KV cache flushed it; a flush would be refused while resubmitted requests wait
+        in the paused servers).
         On failure the servers stay paused, as with the broadcast pusher."""
         if self._session is None:
             raise WeightPushError("update() before init(): call init() first")
@@ -207,6 +208,7 @@ class SharedMemoryWeightPusher(ServerAdmin):
         if not paused:
             await self.pause("abort")
         t_paused = time.perf_counter()
+        await self._begin_or_end("/begin_weight_update")
         fill_s = load_s = 0.0
         pending: list[asyncio.Future] = []  # the previous bucket's replies (its segment is reused next)
         for i in range(len(buckets)):
@@ -235,6 +237,7 @@ class SharedMemoryWeightPusher(ServerAdmin):
             load_s += time.perf_counter() - t_l
         if pending:
             await asyncio.gather(*pending)
+        await self._begin_or_end("/end_weight_update")
         if not paused:
             await self._all("/flush_cache", {})
             await self.resume()

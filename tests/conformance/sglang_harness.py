@@ -198,12 +198,18 @@ class Recorder:
         # payload is recorded, not loaded (SGLang's loader unpickles CUDA-IPC handles: a GPU's job)
         import json as _json
 
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
         payloads = []
         for b in obj.serialized_named_tensors:
-            try:
-                payloads.append(_json.loads(bytes(b)))
-            except ValueError:
-                payloads.append(None)
+            if obj.load_format is None:  # SGLang's own format: deserialised as its TP workers do
+                named = MultiprocessingSerializer.deserialize(bytes(b))
+                payloads.append([[n, list(t.shape), str(t.dtype).removeprefix("torch."), _sha(t)] for n, t in named])
+            else:
+                try:
+                    payloads.append(_json.loads(bytes(b)))
+                except ValueError:
+                    payloads.append(None)
         self._event("update_tensor", type=type(obj).__name__, load_format=obj.load_format,
                     flush_cache=obj.flush_cache, weight_version=obj.weight_version, payloads=payloads,
                     abort_all_requests=obj.abort_all_requests, success=True)

@@ -37,7 +37,7 @@ from areal_like.api.net import free_port
 from areal_like.engine.client import GenerationClient
 from areal_like.engine.sglang_args import (SUPPORTED_SGLANG, build_sglang_servers, require_sglang,
                                            sglang_server_flags)
-from areal_like.weights import SharedMemoryWeightPusher, WeightPusher
+from areal_like.weights import CudaIpcWeightPusher, SharedMemoryWeightPusher, WeightPusher
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = os.environ.get("AREAL_LIKE_SGLANG_CONFORMANCE_PYTHON", str(ROOT / ".venv-sglang-conformance" / "bin" / "python"))
@@ -408,3 +408,64 @@ def test_the_shm_handoff_reaches_sglang_as_its_update_from_tensor_request(harnes
     names = [t["name"] for e in ups for t in e["payloads"][0]["tensors"]]
     assert sorted(names) == sorted(n for n, _ in weights)
     assert all(e["payloads"][0]["path"].startswith(os.path.join("/dev/shm", "areal_like-")) for e in ups)
+
+
+def test_the_cuda_ipc_handoff_is_deserialised_by_sglangs_own_serializer(harness):
+    """Issue 27 item 6, co-located SGLang: each bucket reaches SGLang as its `UpdateWeightsFromTensorReqInput`
+    with one payload per TP rank (here t2), inside a /begin_weight_update session, and SGLang's own
+    `MultiprocessingSerializer.deserialize` (its SafeUnpickler's allow-list) rebuilds exactly our tensors —
+    names, shapes, dtypes (cast to the servers' bf16), bytes. On this CPU machine the tensors travel as
+    shared-memory storage (torch's `file_system` sharing); on a GPU the same pickle carries CUDA-IPC handles
+    with the device named by UUID (`rebuild_cuda_tensor`, which SGLang patches to map it back): that leg,
+    and SGLang's `model.load_weights` from it, need a GPU and are not checked here."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    h = harness()
+    weights = mixed_weights(5)
+
+    async def go():
+        p = CudaIpcWeightPusher([h.url], tp_per_server=[2], bucket_bytes=100, timeout_s=60, admin_api_key=ADMIN,
+                                dtype="bfloat16")
+        try:
+            await p.init()
+            return await p.update(weights, 21)
+        finally:
+            await p.close()
+
+    try:
+        res = asyncio.run(go())
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+    ev = [e for e in h.record()["events"] if e["kind"] in ("pause", "update_tensor", "flush", "continue")]
+    assert [e["kind"] for e in ev] == ["pause"] + ["update_tensor"] * res["buckets"] + ["flush", "continue"]
+    ups = [e for e in ev if e["kind"] == "update_tensor"]
+    assert res["buckets"] >= 2 and [e["weight_version"] for e in ups][-1] == "21"
+    assert all(e["weight_version"] is None for e in ups[:-1])
+    assert all(e["type"] == "UpdateWeightsFromTensorReqInput" and e["load_format"] is None and len(e["payloads"]) == 2
+               and e["payloads"][0] == e["payloads"][1] for e in ups)  # the same tensors for each TP rank
+    got = {n: (shape, dt, digest) for e in ups for n, shape, dt, digest in e["payloads"][0]}
+    want = {n: (list(t.shape), str(t.dtype if not t.is_floating_point() else torch.bfloat16).removeprefix("torch."),
+                sha(t.to(torch.bfloat16) if t.is_floating_point() else t)) for n, t in weights}
+    assert got == want
+
+
+_PARSE_SAVER = """\
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+a = prepare_server_args(sys.argv[1:] + ["--device", "cpu"])
+print(json.dumps({"enable_memory_saver": a.enable_memory_saver, "tp_size": a.tp_size}))
+"""
+
+
+def test_colocated_launch_command_is_parsed_by_sglang_with_its_memory_saver(tmp_path, model_dir, flags):
+    """Co-located SGLang servers (`sglang:d1t2|fsdp:d2`, colocate.release_memory): SGLang's own parser
+    takes the launcher's argv with --enable-memory-saver (what makes /release_memory_occupation free GPU
+    memory; the running server also needs the torch_memory_saver package, a GPU dependency)."""
+    (server,) = build_sglang_servers(place("sglang:d1t2|fsdp:d2", None, 2), model_path=model_dir, ports=[free_port()],
+                                     seeds=3, python=PY, supported_flags=flags, weight_update="memory",
+                                     memory_saver=True)
+    argv = server.processes[0].argv
+    out = subprocess.run([PY, "-c", _PARSE_SAVER, *argv[3:]], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"enable_memory_saver": True, "tp_size": 2}

@@ -330,3 +330,22 @@ def test_transformers_lower_bound_admits_only_releases_the_learner_runs_on():
     assert tuple(int(x) for x in low.split(".")) >= (5, 4), spec
     params = inspect.signature(create_causal_mask).parameters
     assert "inputs_embeds" in params and params.get("cache_position", inspect.Parameter("x", 1, default=None)).default is None
+
+
+def test_colocated_servers_get_the_memory_saver_and_share_the_learners_devices():
+    """Co-located (`sglang:d2t2|fsdp:d4`): the servers run on the learner's devices, with
+    --enable-memory-saver when they release memory (colocate.release_memory), refused on a release
+    without the flag; the CUDA-IPC handoff is per TP rank, so pipeline-parallel servers are refused."""
+    servers = build("sglang:d2t2|fsdp:d4", None, g=4, weight_update="memory", memory_saver=True)
+    plan = place("sglang:d2t2|fsdp:d4", None, 4)
+    assert [s.devices for s in plan.servers] == [(0, 1), (2, 3)]  # the learner's ranks are on these 4 too
+    assert sorted(r.device for c in plan.training for r in c.ranks) == [0, 1, 2, 3]
+    assert [flag(s.processes[0].argv, "--base-gpu-id") for s in servers] == ["0", "2"]
+    assert all("--enable-memory-saver" in s.processes[0].argv for s in servers)
+    (s,) = build("sglang:d1|fsdp:d1", None, weight_update="memory")
+    assert "--enable-memory-saver" not in s.processes[0].argv
+    with pytest.raises(SGLangArgsError, match="colocate.release_memory=false"):
+        build("sglang:d1|fsdp:d1", None, weight_update="memory", memory_saver=True,
+              supported_flags={"--model-path", "--host", "--port", "--tp-size"})
+    with pytest.raises(SGLangArgsError, match="tensor parallelism"):
+        build("sglang:d1p2|fsdp:d2", None, weight_update="memory")

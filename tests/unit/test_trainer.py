@@ -338,3 +338,21 @@ def test_push_names_match_hf_files_and_save_hf_round_trips(tmp_path):
     sd = reloaded.state_dict()
     for n, t in pushed:
         assert torch.equal(sd[n], t), n
+
+
+def test_colocated_sleep_frees_gradients_and_the_next_step_is_unchanged(model_dir):
+    """Co-located mode's sleep/wake between training phases: on CPU the state is host memory already, so
+    sleep frees the gradients only; two steps with a sleep/wake in between train exactly as two without."""
+    groups = with_signal(sample_groups(hf(Trainer(model_dir, cfg(), temperature=TEMP)), n_groups=2, n=3, gen_len=3,
+                                       seed=5, reward_fn=digit_reward, behav_noise=0.2))
+    plain, slept = Trainer(model_dir, cfg(), temperature=TEMP), Trainer(model_dir, cfg(), temperature=TEMP)
+    for ln in (plain, slept):
+        ln.train_step(groups, version=0)
+    assert any(p.grad is not None for p in hf(slept).parameters())
+    slept.sleep(keep_params=True)
+    assert all(p.grad is None for p in hf(slept).parameters())
+    slept.sleep()
+    assert slept.wake() >= 0.0 and not slept.actor.asleep  # nothing moved on CPU
+    a, b = plain.train_step(groups, version=1), slept.train_step(groups, version=1)
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert all(torch.equal(p, q) for p, q in zip(hf(plain).parameters(), hf(slept).parameters()))

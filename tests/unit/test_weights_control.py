@@ -10,8 +10,8 @@ import pytest
 
 from areal_like.api.config import ConfigError, ExperimentConfig
 from areal_like.engine.server import ADMIN_PATHS
-from areal_like.weights import (MEMORY_TAGS, DiskWeightPusher, GenerationControl, SharedMemoryWeightPusher,
-                                WeightPusher, make_weight_pusher)
+from areal_like.weights import (MEMORY_TAGS, CudaIpcWeightPusher, DiskWeightPusher, GenerationControl,
+                                SharedMemoryWeightPusher, WeightPusher, make_weight_pusher)
 from areal_like.api.run_files import Endpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     lambda tmp: WeightPusher(["http://127.0.0.1:9"], master_port=1),
     lambda tmp: DiskWeightPusher(["http://127.0.0.1:9"], out_dir=str(tmp), model_path=str(tmp)),
     lambda tmp: SharedMemoryWeightPusher(["http://127.0.0.1:9"], owner="x"),
+    lambda tmp: CudaIpcWeightPusher(["http://127.0.0.1:9"], tp_per_server=[2]),
 ])
 def test_each_transport_is_a_generation_control(tmp_path, make):
     handle = make(tmp_path)
@@ -35,7 +36,8 @@ def test_each_transport_is_a_generation_control(tmp_path, make):
 # supervisor, which pauses a restarted SGLang server before the learner re-syncs it (it cannot import the
 # torch-side transports).
 ADMIN_CALLERS = {"areal_like/weights/admin.py", "areal_like/weights/push.py", "areal_like/weights/disk.py",
-                 "areal_like/weights/shm.py", "areal_like/engine/server.py", "launcher/run.py"}
+                 "areal_like/weights/shm.py", "areal_like/weights/ipc.py", "areal_like/engine/server.py",
+                 "launcher/run.py"}
 
 
 def test_only_the_transports_call_admin_routes():
@@ -70,6 +72,13 @@ def test_weights_mode_auto_follows_the_allocation(tmp_path):
     assert co.resolved_weights_mode() == "memory"
     p = make_weight_pusher(co, ep, model_path="m", run_dir=str(tmp_path), weight_port=1, incarnation=0)
     assert isinstance(p, SharedMemoryWeightPusher) and p.bucket_bytes == int(co.weights.bucket_mb * 2**20)
+    # co-located SGLang (the nccl backend): CUDA-IPC handles, one payload per TP rank of each server
+    sg = _cfg("sglang:d2t2|fsdp:d4")
+    sg.validate()
+    ipc = make_weight_pusher(sg, Endpoints(servers=["http://a:1", "http://b:2"], weight_backend="nccl",
+                                           server_devices=[[0, 1], [2, 3]]),
+                             model_path="m", run_dir=str(tmp_path), weight_port=1, incarnation=0)
+    assert isinstance(ipc, CudaIpcWeightPusher) and ipc.tp == [2, 2]
     dis = _cfg("embedded.d1p1t1+d1p1t1")
     assert dis.resolved_weights_mode() == "distributed"
     assert isinstance(make_weight_pusher(dis, ep, model_path="m", run_dir=str(tmp_path), weight_port=1,
@@ -80,7 +89,7 @@ def test_weights_mode_auto_follows_the_allocation(tmp_path):
     ("embedded:d1|fsdp:d1", {"mode": "distributed"}, "weights.mode=auto"),
     ("embedded:d1|fsdp:d1", {"mode": "disk"}, "co-located"),
     ("embedded.d1p1t1+d1p1t1", {"mode": "memory"}, "co-located allocation"),
-    ("sglang:d2|fsdp:d2", {}, "embedded:d2|fsdp:d2"),
+    ("sglang:d2p2|fsdp:d4", {}, "tensor parallelism only"),
 ])
 def test_colocated_settings_that_cannot_run_name_the_fix(allocation, weights, match):
     with pytest.raises(ConfigError, match=match):
