@@ -34,6 +34,7 @@ from torch.multiprocessing import reductions
 
 from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError
+from areal_like.weights.push import FlatBuffers
 from areal_like.weights.receive import parse_dtype
 from areal_like.weights.source import WeightSource, as_source, fill_bucket, meta_nbytes, plan_buckets, wire_dtype_of
 
@@ -76,18 +77,7 @@ class CudaIpcWeightPusher(ServerAdmin):
         self.tp = tp_per_server or [1] * len(self.server_urls)
         if len(self.tp) != len(self.server_urls):
             raise ValueError("tp_per_server must have one entry per server URL")
-        self._bufs: list[torch.Tensor | None] = [None, None]
-
-    def _buffer(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        b = self._bufs[i % 2]
-        if b is None or b.numel() < nbytes or b.device != device:
-            b = self._bufs[i % 2] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return b
-
-    async def reform(self) -> str:
-        await ServerAdmin.init(self)
-        await self.wait_servers()
-        return "every server answers again (CUDA-IPC handoff: nothing to re-form)"
+        self._flat = FlatBuffers()  # two buffers alternated per bucket (the broadcast pusher's)
 
     async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
                      paused: bool = False) -> dict[str, float]:
@@ -109,7 +99,7 @@ class CudaIpcWeightPusher(ServerAdmin):
         for i, idx in enumerate(buckets):
             last = i == len(buckets) - 1
             nbytes = sum(meta_nbytes(meta[j], dt) for j in idx)
-            buf = self._buffer(i, nbytes, src.device)
+            buf = self._flat.get(i, nbytes, src.device)
 
             def fill(buf=buf, idx=idx) -> list[tuple[str, torch.Tensor]]:
                 fill_bucket(src.open(idx), [meta[j] for j in idx], buf, dt)
@@ -135,12 +125,12 @@ class CudaIpcWeightPusher(ServerAdmin):
             await self._all("/flush_cache", {})
             await self.resume()
         if src.device.type == "cuda":
-            self._bufs = [None, None]  # back to the caching allocator between handoffs: training reuses it
+            self._flat = FlatBuffers()  # back to the caching allocator between handoffs: training reuses it
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total, "buckets": len(buckets)}
 
     async def close(self) -> None:
-        self._bufs = [None, None]
+        self._flat = FlatBuffers()
         await super().close()
 

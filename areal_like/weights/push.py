@@ -76,7 +76,7 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]], out: torch.Tensor | N
     return fill_bucket(iter(bucket), LocalWeights(bucket).meta, out, dtype)
 
 
-class _FlatBuffers:
+class FlatBuffers:
     """Two grow-only uint8 buffers, alternated per bucket: bucket i+1 is flattened into one while
     bucket i is on the wire from the other (still one bucket in flight). Fresh multi-MiB allocations
     per push cost page faults and zeroing that made the push ~3× slower than a raw broadcast."""
@@ -115,7 +115,7 @@ class WeightPusher(ServerAdmin):
             raise ValueError("devices_per_server must have one entry per server URL")
         self.world_size = 1 + sum(self.devices)
         self.group: WeightGroup | None = None
-        self._flat = _FlatBuffers()
+        self._flat = FlatBuffers()
         self.base_group_name = group_name
         self.reforms = 0  # groups re-formed so far (the k of `<group_name>_r<k>`)
         self._collective: asyncio.Future | None = None  # the collective thread of the last call, if any
@@ -299,8 +299,8 @@ class WeightPusher(ServerAdmin):
             await self.resume()
         if device.type == "cuda":
             # On a GPU the bucket buffers go back to the caching allocator between pushes (training reuses
-            # the blocks; a new one costs no page faults there). On the host they stay: see _FlatBuffers.
-            self._flat = _FlatBuffers()
+            # the blocks; a new one costs no page faults there). On the host they stay: see FlatBuffers.
+            self._flat = FlatBuffers()
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total_bytes,

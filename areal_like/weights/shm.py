@@ -167,11 +167,6 @@ class SharedMemoryWeightPusher(ServerAdmin):
             self._segments[slot] = seg
         return seg
 
-    async def reform(self) -> str:
-        await ServerAdmin.init(self)
-        await self.wait_servers()
-        return "every server answers again (shared-memory handoff: nothing to re-form)"
-
     async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
                      paused: bool = False) -> dict[str, float]:
         """Hand `weights` over as `version`, bucket by bucket through the two segments.
