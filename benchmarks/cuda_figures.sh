@@ -11,6 +11,11 @@
 #   real_shape  benchmarks/real_shape_run.py --device cuda: `launcher run` of configs/real_shape.yaml with
 #               the server and the learner on the GPU (bf16 servers + IcePop, then fp32 servers): step
 #               time, push time of the 1.19 GB bf16 model, learner peak memory, mismatch metrics
+#   colocated   (only with STAGES naming it) benchmarks/real_shape_run.py --device cuda with
+#               `allocation=embedded:d1|fsdp:d1`: the server and the learner take turns on the one GPU
+#               (issue 27) — the learner log's `co-located step: release … → handoff … → resume …` lines, the
+#               handoff through host shared memory, and smi.csv's used memory dropping while the server is
+#               released; bf16 then fp32 servers as real_shape
 #
 # nvidia-smi samples the GPU's used memory and load every second into OUT_DIR/smi.csv meanwhile.
 #
@@ -51,6 +56,15 @@ stage learner "${T_LEARNER:-100}" "$py" benchmarks/learner_overhead.py --model "
     --groups 8 --n 4 --max-len 512 --steps 5
 stage engine "${T_ENGINE:-200}" "$py" benchmarks/engine_vs_hf.py --model "$model" --device cuda --dtype bfloat16 \
     --requests 64 --max-len "${ENGINE_MAX_LEN:-256}" --min-len 32
+if [[ $stages == *" colocated "* ]]; then
+    coloc=$(mktemp -d)
+    TAIL=40 stage colocated "${T_COLOC:-280}" "$py" benchmarks/real_shape_run.py --device cuda --steps 3 --keep "$coloc" \
+        --set 'allocation=embedded:d1|fsdp:d1' --set train.batch_size=8 --set generation.n=4 \
+        --set generation.max_new_tokens=192 --set train.micro_batch_tokens=16384 --set train.logits_chunk_tokens=4096 \
+        --set server.max_batch_size=64
+    grep -h "co-located step" "$coloc"/*/logs/learner.log > "$out/colocated_phases.log" 2>/dev/null
+    (cd "$coloc" && tar -czf "$out/colocated_runs.tgz" --exclude='checkpoints' -- */logs */metrics.jsonl */config.json) 2>/dev/null
+fi
 [[ $stages == *" real_shape "* ]] || exit 0
 runs=$(mktemp -d)
 TAIL=30 stage real_shape "${T_RUN:-290}" "$py" benchmarks/real_shape_run.py --device cuda --steps 3 --keep "$runs" \
