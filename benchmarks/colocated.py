@@ -55,7 +55,8 @@ import time
 from _common import ROOT, build_model, start_server, stop_server  # first: puts the repository root on sys.path
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from e2e_vs_minimal_loop import WORKFLOW, best_minimal, fmt_br, minimal_loop  # noqa: E402
+from e2e_vs_minimal_loop import (add_longtail_args, best_minimal, fmt_br, longtail_overrides,  # noqa: E402
+                                 minimal_loop)
 
 DISAGGREGATED = ("embedded.d1p1t1+d1p1t1", {"server": "0", "learner": "1", "rollout": "0", "redis": "0"}, [])
 COLOCATED = ("embedded:d1|fsdp:d1", {"server": "0-1", "rollout": "0-1", "redis": "0-1"},
@@ -199,16 +200,8 @@ def handoff(base: str, args) -> tuple[float, float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30, help="long-tail steps per run")
+    add_longtail_args(ap)
     ap.add_argument("--etas", default="1,4", help="η values of both modes on the long-tail workload")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=448)
-    ap.add_argument("--median", type=float, default=64.0)
-    ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--demo-steps", type=int, default=60, help="demo workload steps (0 = skip)")
     ap.add_argument("--demo-eta", type=int, default=1)
     ap.add_argument("--threads", default="2,1", help="minimal loop torch threads to compare (the faster is used)")
@@ -229,9 +222,7 @@ def main() -> None:
         base = os.path.abspath(args.keep) if args.keep else tmp
         # ---- long tail
         model_dir = build_model(os.path.join(base, "model"), args.hidden, args.layers)
-        lt = [f"model.path={model_dir}", f"rollout.workflow={WORKFLOW}:longtail", f"generation.n={args.n}",
-              f"generation.max_new_tokens={args.max_new}", f"train.batch_size={args.batch}",
-              f"rollout.max_concurrent_groups={args.batch}", f"train.total_steps={args.steps}", f"train.lr={args.lr}"]
+        lt = longtail_overrides(args, model_dir)
         runs: dict[tuple[str, int], dict] = {}
         for eta in etas:
             for name, mode in (("disaggregated", DISAGGREGATED), ("co-located", COLOCATED)):

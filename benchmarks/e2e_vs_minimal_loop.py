@@ -192,10 +192,9 @@ def report(name: str, mini: dict, sys_runs: dict[int, dict]) -> float:
     return best["sps"] / mini["sps"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_longtail_args(ap: argparse.ArgumentParser) -> None:
+    """The long-tail workload's options (shared with benchmarks/colocated.py)."""
     ap.add_argument("--steps", type=int, default=30, help="long-tail steps (each side)")
-    ap.add_argument("--etas", default="4", help="long-tail η values of the system (best is the headline)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=448)
@@ -204,6 +203,19 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3, help="train.lr of configs/demo.yaml")
+
+
+def longtail_overrides(args, model_dir: str) -> list[str]:
+    """`launcher run` overrides of the long-tail workload (any η: add rollout.max_staleness)."""
+    return [f"model.path={model_dir}", f"rollout.workflow={WORKFLOW}:longtail", f"generation.n={args.n}",
+            f"generation.max_new_tokens={args.max_new}", f"train.batch_size={args.batch}",
+            f"rollout.max_concurrent_groups={args.batch}", f"train.total_steps={args.steps}", f"train.lr={args.lr}"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_longtail_args(ap)
+    ap.add_argument("--etas", default="4", help="long-tail η values of the system (best is the headline)")
     ap.add_argument("--demo-steps", type=int, default=60, help="demo workload steps (0 = skip)")
     ap.add_argument("--demo-etas", default="1,4", help="demo workload η values of the system")
     ap.add_argument("--threads", default="2,1",
@@ -225,11 +237,8 @@ def main() -> None:
             model_dir = build_model(os.path.join(base, "model"), args.hidden, args.layers)
             runs = {}
             for eta in [int(e) for e in args.etas.split(",")]:
-                runs[eta] = system_run(
-                    [f"model.path={model_dir}", f"rollout.workflow={WORKFLOW}:longtail", f"generation.n={args.n}",
-                     f"generation.max_new_tokens={args.max_new}", f"train.batch_size={args.batch}",
-                     f"rollout.max_concurrent_groups={args.batch}", f"train.total_steps={args.steps}",
-                     f"rollout.max_staleness={eta}", f"train.lr={args.lr}"], os.path.join(base, f"longtail_eta{eta}"), env)
+                runs[eta] = system_run([*longtail_overrides(args, model_dir), f"rollout.max_staleness={eta}"],
+                                       os.path.join(base, f"longtail_eta{eta}"), env)
                 print(f"[longtail] system η = {eta}: {runs[eta]['sps']:.1f} samples/s", flush=True)
             mini = best_minimal(args, lambda th, steps: minimal_loop(
                 model_dir, steps, args.batch, args.n, args.lr,

@@ -855,6 +855,14 @@ class GenerationServer:
                     "/update_weights_from_tensor ending with a bucket that sets weight_version)")
         return ""
 
+    def _update_refused(self, **reply) -> web.Response | None:
+        """A weight update while the weights' memory is released: SGLang's `success: false` reply (with
+        the route's other reply fields, `reply`); None when the update may run."""
+        blocked = self._memory_blocker(for_update=True)
+        if not blocked:
+            return None
+        return web.json_response({"success": False, "message": f"cannot update weights: {blocked}", **reply})
+
     def _memory_tags(self, body: dict) -> set[str]:
         from areal_like.weights.control import MEMORY_TAGS
 
@@ -962,9 +970,9 @@ class GenerationServer:
         except (KeyError, TypeError) as e:
             raise BadRequest(f"bad update_weights_from_distributed body: {e!r}")
         group_name = str(b.get("group_name") or "weight_update_group")
-        blocked = self._memory_blocker(for_update=True)
-        if blocked:
-            return web.json_response({"success": False, "message": f"cannot update weights: {blocked}"})
+        refused = self._update_refused()
+        if refused is not None:
+            return refused
         loads = self._group_loads.setdefault(group_name, [])
         async with self.update_lock:  # receives in arrival order: the broadcasts' order
             if b.get("abort_all_requests"):
@@ -1049,10 +1057,9 @@ class GenerationServer:
             raise BadRequest("'model_path' is required")
         if b.get("load_format") not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format {b['load_format']!r} is not supported: use null (safetensors)")
-        blocked = self._memory_blocker(for_update=True)
-        if blocked:
-            return web.json_response({"success": False, "message": f"cannot update weights: {blocked}",
-                                      "num_paused_requests": 0})
+        refused = self._update_refused(num_paused_requests=0)
+        if refused is not None:
+            return refused
         async with self.update_lock:
             if b.get("abort_all_requests"):
                 self.scheduler.abort(abort_all=True, message="aborted for weight update")
@@ -1068,7 +1075,6 @@ class GenerationServer:
             self.weights_undefined = False  # every tensor of a checkpoint loaded
             metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
-
 
     async def update_tensor(self, request: web.Request) -> web.Response:
         """SGLang's /update_weights_from_tensor, for a co-located learner on this host: the tensors are in
@@ -1086,9 +1092,9 @@ class GenerationServer:
             named = self.shm.read(b.get("serialized_named_tensors"))
         except (ValueError, OSError) as e:
             raise BadRequest(f"bad update_weights_from_tensor body: {e}")
-        blocked = self._memory_blocker(for_update=True)
-        if blocked:
-            return web.json_response({"success": False, "message": f"cannot update weights: {blocked}"})
+        refused = self._update_refused()
+        if refused is not None:
+            return refused
         async with self.update_lock:
             if b.get("abort_all_requests"):
                 self.scheduler.abort(abort_all=True, message="aborted for weight update")

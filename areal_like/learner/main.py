@@ -106,7 +106,7 @@ class Coordinator:
     """Rank 0's side of the loop: buffer I/O, weight push, policy version, validation, metrics files."""
 
     def __init__(self, cfg: ExperimentConfig, endpoints: Endpoints, run_dir: str, incarnation: int,
-                 weight_port: int, metrics_port: int | None):
+                 weight_port: int, metrics_port: int | None, *, colocated: bool = False):
         from areal_like.buffer.eval_channel import EvalChannel
         from areal_like.buffer.replay_buffer import DROP_REASONS, ReplayBuffer
         from areal_like.weights.factory import make_weight_pusher
@@ -125,10 +125,8 @@ class Coordinator:
         self.pusher: GenerationControl = make_weight_pusher(cfg, endpoints, model_path=cfg.model.path,
                                                             run_dir=run_dir, weight_port=weight_port,
                                                             incarnation=incarnation)
-        from allocation import parse_allocation
-
         # co-located (`<generation>|<training>`): the servers and this pool take turns on the same devices
-        self.colocated = parse_allocation(cfg.allocation).colocated
+        self.colocated = colocated
         self.phase_log: dict[str, float] = {}  # the co-located step's phase timings, for its log line
         self.in_phase = False  # co-located: the servers are paused (and released) for this pool's training
         self.evals = EvalChannel.from_buffer(self.buffer) if cfg.data.val_files else None
@@ -528,7 +526,7 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     if rank == 0:
         # The launcher started this pool while the servers load; their endpoints come once they are healthy.
         endpoints = Endpoints.wait(run_dir, launch, max(cfg.server.health_timeout_s, 900.0) + 60.0)
-        coord = Coordinator(cfg, endpoints, run_dir, incarnation, weight_port, metrics_port)
+        coord = Coordinator(cfg, endpoints, run_dir, incarnation, weight_port, metrics_port, colocated=colocated)
     else:
         coord = Follower()
     # What rank 0 pushes: the live weights, read one bucket at a time from the shards (the other ranks

@@ -1,5 +1,6 @@
-"""The server-admin HTTP side that both weight pushers share (`WeightPusher`, `DiskWeightPusher`): the
-verbs of `weights.control.GenerationControl` that do not depend on how the bytes travel.
+"""The server-admin HTTP side every transport shares (`WeightPusher`, `DiskWeightPusher`,
+`SharedMemoryWeightPusher`, `CudaIpcWeightPusher`): the verbs of `weights.control.GenerationControl` that do
+not depend on how the bytes travel.
 
 One aiohttp session to every generation server's admin routes: POST with the admin bearer token,
 a timeout, and every failure (HTTP status, timeout, connection, `success: false`) raised as a
@@ -23,7 +24,7 @@ class WeightPushError(RuntimeError):
 
 
 class ServerAdmin:
-    """Base of the weight pushers: the admin HTTP session to `server_urls`.
+    """Base of the transports: the admin HTTP session to `server_urls`.
 
     Subclasses extend `init()` / `close()` (calling these) and use `_post`, `_all`, `_begin_or_end`."""
 

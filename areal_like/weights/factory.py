@@ -36,14 +36,15 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     # The servers' dtype (`launcher run` resolved `auto` into config.json; a config that did not pass
     # through it resolves here the same way, SGLang being the NCCL group's peer). Every push casts to it.
     dtype = cfg.resolved_server_dtype(sglang=endpoints.weight_backend == "nccl")
+    devices = endpoints.server_devices
+    if devices is not None:  # per server: a device count, or its device list (count = its length)
+        devices = [len(d) if isinstance(d, (list, tuple)) else int(d) for d in devices]
     if mode == "disk":
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                 dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20))
     if mode == "memory" and endpoints.weight_backend == "nccl":  # co-located SGLang: CUDA-IPC handles
-        devices = endpoints.server_devices or [1] * len(endpoints.servers)
-        tp = [len(d) if isinstance(d, (list, tuple)) else int(d) for d in devices]
-        return CudaIpcWeightPusher(endpoints.servers, tp_per_server=tp, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
+        return CudaIpcWeightPusher(endpoints.servers, tp_per_server=devices, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
                                    timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key, dtype=dtype)
     if mode == "memory":
         # one run's segments share a prefix: a restarted learner removes what a killed one left
@@ -52,9 +53,6 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
                                         timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                         dtype=dtype)
     if mode == "distributed":
-        devices = endpoints.server_devices
-        if devices is not None:  # per server: a device count, or its device list (count = its length)
-            devices = [len(d) if isinstance(d, (list, tuple)) else int(d) for d in devices]
         return WeightPusher(
             endpoints.servers, master_addr=endpoints.learner_host, master_port=weight_port,
             backend=endpoints.weight_backend, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),

@@ -35,7 +35,7 @@ from torch.multiprocessing import reductions
 from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.push import FlatBuffers
-from areal_like.weights.receive import parse_dtype
+from areal_like.weights.receive import parse_dtype, unflatten_bucket
 from areal_like.weights.source import WeightSource, as_source, fill_bucket, meta_nbytes, plan_buckets, wire_dtype_of
 
 log = logging.getLogger(__name__)
@@ -101,17 +101,14 @@ class CudaIpcWeightPusher(ServerAdmin):
             nbytes = sum(meta_nbytes(meta[j], dt) for j in idx)
             buf = self._flat.get(i, nbytes, src.device)
 
-            def fill(buf=buf, idx=idx) -> list[tuple[str, torch.Tensor]]:
+            def fill(buf=buf, idx=idx, nbytes=nbytes) -> list[tuple[str, torch.Tensor]]:
                 fill_bucket(src.open(idx), [meta[j] for j in idx], buf, dt)
-                views, off = [], 0
-                for j in idx:
-                    name, shape, d = meta[j]
-                    n = meta_nbytes(meta[j], dt)
-                    views.append((name, buf[off:off + n].view(wire_dtype_of(d, dt)).view(shape)))
-                    off += n
                 if buf.is_cuda:
                     torch.cuda.current_stream(buf.device).synchronize()  # filled before another process reads it
-                return views
+                # the bucket's tensors as views of it: the receivers' own split (`unflatten_bucket`)
+                return list(unflatten_bucket(buf[:nbytes], [meta[j][0] for j in idx],
+                                             [wire_dtype_of(meta[j][2], dt) for j in idx],
+                                             [list(meta[j][1]) for j in idx]).items())
 
             views = await asyncio.to_thread(fill)
             total += nbytes
