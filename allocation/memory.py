@@ -39,6 +39,10 @@ Bytes per trainable parameter (`train.master_dtype`, areal_like/learner/trainer.
     the fp32 grads beside the activations is an upper bound, high by at most 2 bytes/param.
 The frozen reference (`ref`, any KL on) holds params in model.dtype only; the critic (gae) is a
 second trainable model (value head instead of lm_head) with its own gradients and optimizer.
+LoRA (`model.lora_rank` = r > 0, learner/lora.py): the base is frozen in model.dtype (FSDP: its
+1/dp shard plus the gathered units, like the reference); only the adapter — r·(in + out) per
+targeted projection (`ModelShape.lora_layer_params`) — has gradients, AdamW state and a master; the
+KL reference is the base itself (no reference bytes).
 
 Activations per token of one micro-batch (`activation_bytes_per_token`), HF decoder layer under SDPA
 with no mask (the learner's case: causal, no padding mask, GQA native, no repeat_kv), compute dtype
@@ -175,6 +179,22 @@ class ModelShape:
         replicated = 2 * h + (2 * d if self.qk_norm else 0)
         return sharded // tp + replicated
 
+    def lora_layer_params(self, rank: int, targets: tuple[str, ...], tp: int = 1) -> int:
+        """One decoder layer's LoRA adapter parameters on one tp rank: r·(in + out) per targeted
+        projection, the tp-split side of each divided by tp (learner/lora.py's plan: a column-parallel
+        projection splits its B, a row-parallel one its A)."""
+        h, a, g, d, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
+        dims = {"q_proj": (h, a * d, "col"), "k_proj": (h, g * d, "col"), "v_proj": (h, g * d, "col"),
+                "o_proj": (a * d, h, "row"), "gate_proj": (h, i, "col"), "up_proj": (h, i, "col"),
+                "down_proj": (i, h, "row")}
+        n = 0
+        for t in targets:
+            if t not in dims:  # lm_head: not a decoder layer's (learner_parts adds it on the last stage)
+                continue
+            fan_in, fan_out, split = dims[t]
+            n += rank * (fan_in + fan_out // tp) if split == "col" else rank * (fan_in // tp + fan_out)
+        return n
+
     def count_params(self) -> int:
         """Total parameters of the *ForCausalLM model (tied lm_head counted once)."""
         emb = self.vocab * self.hidden
@@ -238,6 +258,8 @@ class TrainSettings:
     math_attention: bool = False  # SDPA's math kernel (CPU with GQA): s×s scores while a layer runs
     release_memory: bool = True  # colocate.release_memory: co-located servers free KV cache + weights in training
     offload_learner: bool = True  # colocate.offload_learner: the co-located learner's state off the device meanwhile
+    lora_rank: int = 0  # model.lora_rank (0 = full fine-tuning)
+    lora_targets: tuple[str, ...] = ()  # model.target_modules as module names
 
     @classmethod
     def from_config(cls, cfg: Any, *, sglang: bool, seq_len: int | None = None,
@@ -253,11 +275,17 @@ class TrainSettings:
                    critic=alg.adv_estimator == "gae", reference=alg.kl_loss_on or alg.kl_reward_on,
                    server_dtype=cfg.resolved_server_dtype(sglang=sglang),
                    mem_fraction_static=cfg.server.mem_fraction_static,
-                   release_memory=cfg.colocate.release_memory, offload_learner=cfg.colocate.offload_learner)
+                   release_memory=cfg.colocate.release_memory, offload_learner=cfg.colocate.offload_learner,
+                   lora_rank=cfg.model.lora_rank, lora_targets=(
+                       LORA_LINEARS if cfg.model.target_modules == "all-linear" else tuple(cfg.model.target_modules)))
 
     @property
     def tokens_per_micro_batch(self) -> int:
         return max(self.micro_batch_tokens, self.seq_len)
+
+
+# model.target_modules=all-linear: every linear layer of a decoder layer (areal_like.api.config's list)
+LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -351,7 +379,15 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
         return n * b, n * b, n * 2 * b
 
     n_actor = shape.stage_params(pp, stage, tp)
-    params, grads, opt = trainable(n_actor, n_vocab)
+    if s.lora_rank > 0:  # the base frozen in model.dtype (FSDP: its dp shard + the gathered units); the adapter trains
+        n_ad = n_layers * shape.lora_layer_params(s.lora_rank, s.lora_targets, tp)
+        if last and "lm_head" in s.lora_targets:  # an adapter on the (replicated) LM head: r·(h + V)
+            n_ad += s.lora_rank * (shape.hidden + shape.vocab)
+        base = (n_actor * b / dp + b * (n_actor - n_layers * n_layer - n_vocab + 2 * n_layer)) if fsdp else n_actor * b
+        ap, grads, opt = trainable(n_ad, 0)
+        params = base + (n_ad * m / dp if fsdp else ap)
+    else:
+        params, grads, opt = trainable(n_actor, n_vocab)
     T = s.tokens_per_micro_batch
     a_layer = shape.layer_activation_bytes(b, tp)
     keep = (b * shape.hidden) if s.checkpointing else a_layer
@@ -374,7 +410,7 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
     parts = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
              "activations_bytes": activations, "logits_bytes": logits, "reference_bytes": 0.0,
              "critic_bytes": 0.0, "runtime_bytes": RUNTIME_BYTES}
-    if s.reference:  # frozen, model.dtype; sharded like the actor under FSDP
+    if s.reference and s.lora_rank == 0:  # frozen, model.dtype; sharded like the actor (LoRA: the base itself)
         parts["reference_bytes"] = (n_actor * b / dp + b * (n_actor - n_layers * n_layer - n_vocab + 2 * n_layer)
                                     if fsdp else n_actor * b)
     if s.critic:

@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--variant", default="demo")
     ap.add_argument("--tie", action="store_true")
     ap.add_argument("--task", default="next")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train a peft LoRA adapter of this rank (0 = full)")
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
+    ap.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -86,7 +89,12 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(d)
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.999))
+    if args.lora_rank:  # model.lora_rank / model.target_modules: only the adapter trains
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                                 target_modules=args.lora_targets.split(",")))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999))
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     hist: list[float] = []

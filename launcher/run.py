@@ -33,6 +33,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+from areal_like.api.config import lora_target_modules
 from areal_like.api.run_files import Endpoints
 from launcher.procs import ProcessTable, Role, end_process_group, role_kind
 
@@ -490,6 +491,14 @@ class Run:
                 argv.append("--disable-metrics")
             if cfg.model.fp32_lm_head:
                 argv.append("--enable-fp32-lm-head")
+            if cfg.model.lora_rank > 0:
+                # runtime LoRA: the run's adapter (each push replaces it) plus the one a push is swapping
+                # in while requests that started on the old one still run
+                argv += ["--enable-lora", "--max-lora-rank", str(cfg.model.lora_rank), "--lora-target-modules",
+                         *lora_target_modules(cfg.model.target_modules), "--max-loras-per-batch", "2",
+                         "--max-loaded-loras", "2",
+                         # every request names the run's adapter: held until the learner's first push loaded it
+                         "--start-paused"]
             sv = cfg.server
             argv += ["--max-n", str(sv.max_n), "--max-request-bytes", str(int(sv.max_request_mb * 2**20))]
             for flag, value in (("--max-new-tokens-limit", sv.max_new_tokens_limit),

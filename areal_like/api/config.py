@@ -47,6 +47,55 @@ class ModelConfig(_Section):
     weights keep their dtype. Narrows the training–inference mismatch of 16-bit models (PipelineRL
     always does this); no effect where everything is fp32. Costs an fp32 copy of the head's weight
     (of the learner's dp shard of it under FSDP) while the logits are computed."""
+    lora_rank: int = 0
+    """LoRA rank r of the actor (0 = off: full fine-tuning). With r > 0 the learner trains low-rank
+    adapters only (peft's LoRA on `model.target_modules`; the base weights frozen, in `model.dtype`),
+    its optimizer holds the adapter alone, a KL term's reference is the base with the adapter
+    disabled (no second model), every push sends the adapter alone and checkpoints hold it (the base
+    stays `model.path`). verl's name; alias `actor_rollout_ref.model.lora_rank`."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's output is scaled by lora_alpha / lora_rank (peft). Alias
+    `actor_rollout_ref.model.lora_alpha`."""
+    target_modules: str | list[str] = "all-linear"
+    """Which linear layers get an adapter: `all-linear` (every linear layer of the decoder layers, not
+    the LM head — peft's meaning) or a list of module names from q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj and lm_head — peft's `target_modules`. An adapter on `lm_head` is
+    refused with a vocabulary-parallel head (train.dp_sharding=full|grad_op with d ≥ 2) and with
+    model.fp32_lm_head. Alias `actor_rollout_ref.model.target_modules`."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input while the learner differentiates (its forward-only passes — π_prox,
+    the mismatch check — and the servers never drop). Alias `actor_rollout_ref.model.lora_dropout`."""
+    lora_path: str | None = None
+    """A peft adapter directory (adapter_config.json + adapter_model.safetensors) to start training
+    from instead of a fresh adapter (B = 0); its rank and target modules must match `model.lora_rank`
+    and `model.target_modules`. Alias `actor_rollout_ref.model.lora_adapter_path`."""
+
+
+# The linear layers of a Qwen2/Qwen3/Llama decoder layer, as `model.target_modules` names them
+# (`all-linear`, peft's meaning: these, not the LM head); `lm_head` may be named as well.
+LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (*LORA_LINEARS, "lm_head")
+
+
+def lora_target_modules(target_modules: str | list[str]) -> tuple[str, ...]:
+    """`model.target_modules` as module names (`all-linear` = every decoder linear layer)."""
+    if isinstance(target_modules, str):
+        if target_modules != "all-linear":
+            raise ValueError(f"model.target_modules={target_modules!r}: use all-linear or a list of module names "
+                             f"from {', '.join(LORA_TARGETS)}")
+        return LORA_LINEARS
+    unknown = [t for t in target_modules if t not in LORA_TARGETS]
+    if unknown or not target_modules:
+        raise ValueError(f"model.target_modules={list(target_modules)}: {unknown or 'empty'} — name linear "
+                         f"layers: {', '.join(LORA_TARGETS)} (or all-linear)")
+    return tuple(dict.fromkeys(target_modules))
+
+
+def check_lora_numbers(alpha: float, dropout: float) -> None:
+    if alpha <= 0:
+        raise ValueError(f"model.lora_alpha={alpha}: use a positive scale numerator (e.g. 16 or 2 × lora_rank)")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"model.lora_dropout={dropout}: use a probability in [0, 1) (0 = off)")
 
 
 class DataConfig(_Section):
@@ -403,7 +452,11 @@ class TrainConfig(_Section):
     """Newest checkpoints kept on disk (older ones are deleted after a successful save); ≥ 2 leaves a
     previous one to fall back to when the newest is unusable."""
     export_hf: bool = False
-    """Also write an HF-format model dir (`hf/`) inside each checkpoint."""
+    """Also write an HF-format model dir (`hf/`) inside each checkpoint; with LoRA (`model.lora_rank` > 0)
+    a peft adapter dir (`PeftModel.from_pretrained(base, "…/hf")` loads it)."""
+    export_merged: bool = False
+    """With LoRA: also write the model with the adapter merged into its weights (`hf_merged/`, a plain HF
+    model dir) inside each checkpoint. Ignored without LoRA (`hf/` is the whole model then)."""
     collective_timeout_s: float = 300.0
     """Timeout of every learner-pool collective (process sub-groups, pipeline send/recv)."""
     torch_threads: int = 1
@@ -846,6 +899,30 @@ class ExperimentConfig(_Section):
                        + (mt.max_assistant_turns - 1) * mt.max_tool_response_tokens)
         return need
 
+    def _check_lora(self) -> None:
+        m = self.model
+        if m.lora_rank < 0:
+            raise ConfigError(f"model.lora_rank={m.lora_rank}: use 0 (full fine-tuning) or a LoRA rank ≥ 1 (e.g. 8)")
+        if m.lora_rank == 0:
+            if m.lora_path is not None:
+                raise ConfigError(f"model.lora_path={m.lora_path!r} needs LoRA on: set model.lora_rank (the "
+                                  f"adapter's r), or remove model.lora_path")
+            if self.train.export_merged:
+                raise ConfigError("train.export_merged=true merges a LoRA adapter, but model.lora_rank=0 (full "
+                                  "fine-tuning: train.export_hf writes the whole model): remove train.export_merged")
+            return
+        try:
+            lora_target_modules(m.target_modules)
+            check_lora_numbers(m.lora_alpha, m.lora_dropout)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if "lm_head" in lora_target_modules(m.target_modules) and m.fp32_lm_head:
+            raise ConfigError("model.target_modules names lm_head and model.fp32_lm_head=true: the fp32 head is a "
+                              "plain linear layer, an adapted one is not — drop lm_head or model.fp32_lm_head")
+        if m.lora_path is not None and not os.path.isfile(os.path.join(m.lora_path, "adapter_config.json")):
+            raise ConfigError(f"model.lora_path={m.lora_path!r} is not a peft adapter directory (no "
+                              f"adapter_config.json there): give the directory PeftModel.save_pretrained wrote")
+
     def _check_learner_side(self) -> None:
         """The allocation's learner against the learner keys (a malformed allocation is reported by the
         launcher): `fsdp:` means sharded data parallel (as in AReaL), refused with
@@ -882,6 +959,20 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"weights.mode=memory needs a co-located allocation (generation and training on the "
                               f"same devices, '|' between them, e.g. 'embedded:d1|fsdp:d1'); {self.allocation!r} "
                               f"is {alloc.kind}: set weights.mode=auto")
+        if self.model.lora_rank > 0 and alloc.colocated:
+            raise ConfigError(f"model.lora_rank={self.model.lora_rank} with the co-located allocation {self.allocation!r}: "
+                              f"the in-memory handoff carries full weights only so far — LoRA runs disaggregated "
+                              f"(e.g. 'embedded:d1+d1', weights.mode=distributed or disk); set model.lora_rank=0 "
+                              f"to co-locate")
+        if (self.model.lora_rank > 0 and tr is not None and tr.dp > 1 and self.train.dp_sharding != "none"
+                and not self.train.param_offload and isinstance(self.model.target_modules, list) and "lm_head" in self.model.target_modules):
+            raise ConfigError(f"model.target_modules names lm_head, but the learner's LM head is split by vocabulary "
+                              f"rows over d{tr.dp} (train.dp_sharding={self.train.dp_sharding}), which an adapter "
+                              f"cannot wrap: drop lm_head, or set train.dp_sharding=none")
+        if self.model.lora_rank > 0 and gen is not None and gen.backend == "sglang":
+            raise ConfigError(f"model.lora_rank={self.model.lora_rank} with SGLang servers ({self.allocation!r}): "
+                              f"adapter sync into SGLang (--enable-lora, /load_lora_adapter) is not wired yet — "
+                              f"train LoRA with embedded servers ('embedded:…'), or set model.lora_rank=0")
         if tr is not None and tr.backend == "fsdp" and self.train.dp_sharding == "none":
             raise ConfigError(f"allocation {self.allocation!r} asks for the fsdp training backend but "
                               f"train.dp_sharding=none replicates the model: set train.dp_sharding=full (or "
@@ -967,6 +1058,7 @@ class ExperimentConfig(_Section):
                               "must be ≥ 1")
         if self.train.eps_clip_low < 0 or self.train.eps_clip_high < 0:
             raise ConfigError("train.eps_clip_low/high must be ≥ 0")
+        self._check_lora()
         md, cd = self.train.master_dtype, self.model.dtype
         if md != "float32" and md != cd:
             raise ConfigError(f"train.master_dtype={md} with model.dtype={cd}: the master weights are float32 "
@@ -1084,6 +1176,12 @@ ALIASES: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.param_offload": "ref.param_offload",
     "actor_rollout_ref.ref.model.path": "ref.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "model.enable_gradient_checkpointing",
+    "actor_rollout_ref.model.lora_rank": "model.lora_rank",
+    "actor_rollout_ref.model.lora_alpha": "model.lora_alpha",
+    "actor_rollout_ref.model.target_modules": "model.target_modules",
+    "actor_rollout_ref.model.lora_dropout": "model.lora_dropout",
+    "actor_rollout_ref.model.lora_adapter_path": "model.lora_path",
+    "actor_rollout_ref.model.lora_path": "model.lora_path",
     "reward_model.overlong_buffer.len": "reward.overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "reward.overlong_penalty_factor",
     # validation (verl trainer.* / val_kwargs)

@@ -93,6 +93,9 @@ class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
     step_s: float
     push_s: float
     pause_window_s: float | None = None
+    push_bytes: int | None = None
+    """Bytes the step's weight push carried (as sent: in the servers' dtype) — with LoRA
+    (`model.lora_rank` > 0) the adapter alone; None for a transport that does not count them."""
     fetch_s: float
     loss: float
     grad_norm: float

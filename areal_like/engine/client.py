@@ -52,6 +52,11 @@ import msgspec
 log = logging.getLogger(__name__)
 
 
+# The name the servers serve a LoRA run's adapter under (`lora_path` of every generate request, the
+# `lora_name` of every push: `weights.adapter`); each push replaces that adapter inside its pause.
+LORA_ADAPTER_NAME = "policy"
+
+
 class GenerationError(RuntimeError):
     """A generation call failed; the message names the server."""
 
@@ -118,11 +123,13 @@ class GenerationClient:
                  api_key: str | None = None, max_connection_retries: int = 4, retry_backoff_s: float = 0.5,
                  max_interruptions: int = 1000, sticky_keys: int = 100_000, health_interval_s: float | None = 2.0,
                  health_timeout_s: float = 5.0, health_failures_to_down: int = 2, down_wait_s: float | None = None,
-                 max_failovers: int = 100, max_timeout_retries: int = 2):
+                 max_failovers: int = 100, max_timeout_retries: int = 2, lora_name: str | None = None):
         """`health_interval_s` None/0 disables the probe (then DOWN servers never come back and generate
         fails at once when none is UP). `down_wait_s`: how long generate waits for an UP server when
         none is left (default `request_timeout_s`). `max_timeout_retries`: how many times one generate
-        call sends a timed-out request again before it raises `GenerationTimeout`."""
+        call sends a timed-out request again before it raises `GenerationTimeout`. `lora_name`: the
+        adapter every request names (`lora_path`, SGLang's field) — a LoRA run's (`model.lora_rank` > 0),
+        which each push replaces on the servers; None = the base model."""
         if not server_urls:
             raise ValueError("GenerationClient needs at least one server URL")
         self.server_urls = [u.rstrip("/") for u in server_urls]
@@ -137,6 +144,7 @@ class GenerationClient:
         self.down_wait_s = request_timeout_s if down_wait_s is None else down_wait_s
         self.max_failovers = max_failovers
         self.max_timeout_retries = max(0, max_timeout_retries)
+        self.lora_name = lora_name
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
@@ -429,6 +437,8 @@ class GenerationClient:
                 suffix = (f".f{failovers}" if failovers else "") + (f".t{timeouts}" if timeouts else "")
                 body = {"input_ids": list(input_ids) + out_ids, "sampling_params": sp, "return_logprob": True,
                         "rid": rid + suffix}
+                if self.lora_name is not None:  # resolved by the server when it admits the request
+                    body["lora_path"] = self.lora_name
                 try:
                     reply = await self._attempt(url, body)
                 except GenerationTimeout as e:

@@ -28,6 +28,7 @@ renormalise the reported logprobs — so the learner's recomputation matches exa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal_like.engine.lora import LoraSlots, base_name, is_adapter_param
 from areal_like.engine.sampling import GREEDY_EPS, apply_penalties, sample_next
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,10 @@ class Seq:
     # per output token: (logprobs, token ids) of the top `top_logprobs_num` tokens
     output_top: list[tuple[list[float], list[int]]] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose K/V came from another row's prefill (n>1 groups)
+    # --enable-lora: the adapter this row runs with — the name the request gave (`lora_path`) and the
+    # runner's slot (peft adapter name) it resolved to at admission; None = the base model
+    lora_name: str | None = None
+    lora: str | None = None
 
     # Prefill input: prompt + tokens generated before a retract (the runner drops the KV on retract).
     @property
@@ -169,7 +175,8 @@ class SlotKV:
 
 class ModelRunner:
     def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_context_len: int = 512,
-                 max_batch_size: int = 64, max_prefill_tokens: int = 4096, fp32_lm_head: bool = False):
+                 max_batch_size: int = 64, max_prefill_tokens: int = 4096, fp32_lm_head: bool = False,
+                 max_lora_rank: int = 0, lora_target_modules: list[str] | None = None, max_loras_per_batch: int = 8):
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -218,6 +225,12 @@ class ModelRunner:
         self.max_next_pos = 0  # host copy of max(next_pos[:B]): the decode attention length − 1
         self._released_shapes: list[tuple[torch.nn.Parameter, tuple[int, ...]]] = []  # weights while released
         self._flags_dirty = True
+        # --enable-lora: peft adapters (slots) in the model; rows of more distinct adapters than
+        # --max-loras-per-batch wait in `deferred` (admitted by the scheduler, prefilled later)
+        self.lora = LoraSlots(self.model, max_rank=max_lora_rank, target_modules=lora_target_modules or []) \
+            if max_lora_rank > 0 else None
+        self.max_loras_per_batch = max_loras_per_batch
+        self.deferred: list[Seq] = []
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -248,9 +261,17 @@ class ModelRunner:
     # ---------------------------------------------------------------- membership
     def release(self, seqs: list[Seq]) -> None:
         """Drop rows (finished, aborted, retracted); the last rows move into the freed slots."""
+        if self.deferred and seqs:
+            ids = {id(s) for s in seqs}
+            self.deferred = [s for s in self.deferred if id(s) not in ids]
         gone = sorted({self.slot_of[id(s)] for s in seqs if id(s) in self.slot_of}, reverse=True)
         if not gone:
             return
+        self._release_rows(gone)
+        if self.lora is not None:
+            self.lora.collect(self.lora_in_use())
+
+    def _release_rows(self, gone: list[int]) -> None:
         perm = list(range(len(self.rows)))  # perm[i] = original slot of the row now at i
         for slot in gone:
             last = len(perm) - 1
@@ -316,11 +337,36 @@ class ModelRunner:
         return dst
 
     # ---------------------------------------------------------------- compute
+    def lora_in_use(self) -> set[str]:
+        """The adapter slots of the running rows (and of rows waiting for --max-loras-per-batch)."""
+        return {s.lora for s in self.rows + self.deferred if s.lora is not None}
+
+    def _lora_admit(self, admit: list[Seq]) -> list[Seq]:
+        """The seqs of `admit` (after earlier deferred ones) whose adapters fit --max-loras-per-batch
+        distinct adapters next to the running rows; the rest wait in `deferred` for a later step."""
+        queue = self.deferred + admit
+        if self.lora is None or not any(s.lora for s in queue):
+            self.deferred = []
+            return queue
+        active = {s.lora for s in self.rows if s.lora is not None}
+        now, later = [], []
+        for s in queue:
+            if s.lora is None or s.lora in active or len(active) < self.max_loras_per_batch:
+                if s.lora is not None:
+                    active.add(s.lora)
+                now.append(s)
+            else:
+                later.append(s)
+        self.deferred = later
+        return now
+
     @torch.inference_mode()
     def step(self, admit: list[Seq], drop: list[Seq]) -> StepOutput:
         """Drop `drop`, decode one token for every running row, prefill `admit` (first token each)."""
         t0 = time.perf_counter()
         self.release(drop)
+        if admit or self.deferred:
+            admit = self._lora_admit(admit)
         seqs: list[Seq] = []
         parts: list[tuple] = []  # (tok, lp, fin, top_vals, top_ids) per phase
         if self.rows:
@@ -368,8 +414,9 @@ class ModelRunner:
         kv.ensure(kv_len)
         kv.mode, kv.n_rows, kv.pos_B, kv.kv_len = "decode", B, pos_B, kv_len
         mask_B11L = (torch.arange(kv_len, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
-        out = self.model(input_ids=st["last_tok"][:B, None], position_ids=pos_B[:, None],
-                         attention_mask=self._mask(mask_B11L), past_key_values=kv, use_cache=True)
+        with self.adapters([s.lora for s in self.rows]):
+            out = self.model(input_ids=st["last_tok"][:B, None], position_ids=pos_B[:, None],
+                             attention_mask=self._mask(mask_B11L), past_key_values=kv, use_cache=True)
         logits_BV = out.logits[:, -1, :]
         pos_B = pos_B + 1  # where the sampled token sits
         res = self._sample(logits_BV, slice(0, B), pos_B, st["gen_count"][:B])
@@ -386,17 +433,18 @@ class ModelRunner:
         dev = self.device
         dst_all = self._assign(admit)
         self._rebuild_flags()
-        groups: dict[tuple[int, ...], list[int]] = {}  # prompt → indices into admit
+        # (prompt, adapter slot) → indices into admit: samples share a prefill row only under one adapter
+        groups: dict[tuple[tuple[int, ...], str | None], list[int]] = {}
         for i, s in enumerate(admit):
-            groups.setdefault(tuple(s.all_ids), []).append(i)
+            groups.setdefault((tuple(s.all_ids), s.lora), []).append(i)
         logits_rows: list[torch.Tensor | None] = [None] * len(admit)
         prefill_tokens = 0
         chunk: list[tuple[tuple[int, ...], list[int]]] = []
         items = list(groups.items())
         for n, item in enumerate(items):
             chunk.append(item)
-            T = max(len(p) for p, _ in chunk)
-            nxt = len(items[n + 1][0]) if n + 1 < len(items) else 0
+            T = max(len(p) for (p, _), _ in chunk)
+            nxt = len(items[n + 1][0][0]) if n + 1 < len(items) else 0
             if n + 1 == len(items) or (len(chunk) + 1) * max(T, nxt) > self.max_prefill_tokens:
                 prefill_tokens += self._prefill_chunk(chunk, dst_all, logits_rows)
                 chunk = []
@@ -418,9 +466,10 @@ class ModelRunner:
 
     def _prefill_chunk(self, chunk, dst_all, logits_rows) -> int:
         dev = self.device
-        T = max(len(p) for p, _ in chunk)
-        pad = [T - len(p) for p, _ in chunk]
-        ids_PT = torch.tensor([[0] * d + list(p) for d, (p, _) in zip(pad, chunk)], dtype=torch.long, device=dev)
+        T = max(len(p) for (p, _), _ in chunk)
+        pad = [T - len(p) for (p, _), _ in chunk]
+        ids_PT = torch.tensor([[0] * d + list(p) for d, ((p, _), _) in zip(pad, chunk)], dtype=torch.long,
+                              device=dev)
         pad_P = torch.tensor(pad, dtype=torch.long, device=dev)
         t_T = torch.arange(T, device=dev)
         pos_PT = (t_T[None, :] - pad_P[:, None]).clamp_(min=0)
@@ -440,16 +489,17 @@ class ModelRunner:
         kv.src_rows = torch.tensor(src_rows, dtype=torch.long, device=dev)
         kv.dst_slots = torch.tensor(dst_slots, dtype=torch.long, device=dev)
         try:
-            out = self.model(input_ids=ids_PT, position_ids=pos_PT,
-                             attention_mask=self._mask(mask_P1TT[:, None]),
-                             past_key_values=kv, use_cache=True, logits_to_keep=1)
+            with self.adapters([lora for (_, lora), _ in chunk]):
+                out = self.model(input_ids=ids_PT, position_ids=pos_PT,
+                                 attention_mask=self._mask(mask_P1TT[:, None]),
+                                 past_key_values=kv, use_cache=True, logits_to_keep=1)
         finally:
             kv.mode = "decode"
         last_PV = out.logits[:, -1, :]
         for p, (_, members) in enumerate(chunk):
             for j in members:
                 logits_rows[j] = last_PV[p]
-        return int(sum(len(p) for p, _ in chunk))
+        return int(sum(len(p) for (p, _), _ in chunk))
 
     def _sample(self, logits_BV: torch.Tensor, rows, position_B: torch.Tensor, gen_count_B: torch.Tensor):
         """Sample, score (the shared logprob definition) and decide finish for every row at once.
@@ -488,7 +538,11 @@ class ModelRunner:
     @property
     def weights_nbytes(self) -> int:
         """Bytes the parameters hold now (0 while released; tied parameters counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.base_parameters())
+
+    def base_parameters(self) -> list[torch.nn.Parameter]:
+        """The model's own parameters (tied ones once), never a LoRA adapter's."""
+        return [p for n, p in self.model.named_parameters() if not is_adapter_param(n)]
 
     def release_memory(self, tags: set[str]) -> dict[str, int]:
         """SGLang's release_memory_occupation: free the KV cache (`kv_cache`) and/or the weights
@@ -503,8 +557,9 @@ class ModelRunner:
             self.kv.free()
         if "weights" in tags and not self._released_shapes:
             n = 0
-            # buffers (rotary inv_freq) stay: they are small and no weight update restores them
-            for p in self.model.parameters():
+            # buffers (rotary inv_freq) stay: they are small and no weight update restores them; LoRA
+            # adapters stay too (small, and a base weight update does not restore them)
+            for p in self.base_parameters():
                 self._released_shapes.append((p, tuple(p.shape)))
                 n += p.numel() * p.element_size()
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -531,7 +586,27 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.state_dict(keep_vars=True))
+        """The base weights by HF name (peft's `.base_layer` dropped; adapter tensors left out)."""
+        return {base_name(n): t for n, t in self.model.state_dict(keep_vars=True).items() if not is_adapter_param(n)}
+
+    # ---------------------------------------------------------------- LoRA
+    def adapters(self, slots: list[str | None]):
+        """Context: forwards inside run batch row i with adapter slot `slots[i]` (None: the base)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.rows(slots)
+
+    def load_lora(self, config: dict, tensors: dict[str, torch.Tensor], where: str) -> str:
+        """A new adapter slot from an adapter_config dict and its tensors; ValueError, nothing changed,
+        when they do not fit the server's LoRA settings or the model."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        return self.lora.add(config, tensors, where)
+
+    def free_lora(self, slot: str) -> None:
+        """Free `slot` now, or when the last running row using it leaves."""
+        if self.lora is not None:
+            self.lora.free(slot, self.lora_in_use())
 
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor]) -> None:

@@ -58,6 +58,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import areal_like
 from areal_like import metrics
 from areal_like.engine.errors import BadRequest, PayloadTooLarge, RequestError, TooManyQueued
+from areal_like.engine.lora import NOT_ENABLED, LoraRegistry
 from areal_like.engine.openai_api import OPENAI_PATHS, OpenAIRoutes
 from areal_like.engine.runner import ModelRunner, Seq
 from areal_like.engine.sampling import derive_seed
@@ -81,10 +82,10 @@ NOOP_PARAMS = {"json_schema": (None,), "regex": (None,), "ebnf": (None,), "struc
 # accepted at their no-op value only, GENERATE_META (request bookkeeping) with any value, anything
 # else is a 400 naming the field.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream"}
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "lora_path"}
 GENERATE_NOOP = {"input_embeds": (None,), "image_data": (None, []), "video_data": (None, []),
                  "audio_data": (None, []), "modalities": (None, []), "session_params": (None,),
-                 "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,),
+                 "lora_id": (None,), "custom_logit_processor": (None,),
                  "token_ids_logprob": (None,), "return_hidden_states": (None, False),
                  "return_routed_experts": (None, False), "return_entropy": (None, False),
                  "return_bytes": (None, False), "return_prompt_token_ids": (None, False),
@@ -101,7 +102,9 @@ RECV_SLOTS = 2  # receive buffers per weight group: bucket k+1 arrives while buc
 ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
                "/release_memory_occupation", "/resume_memory_occupation",
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
-               "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request"}
+               "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request",
+               "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed",
+               "/update_weight_version"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 
@@ -176,7 +179,10 @@ class GenerationServer:
         self.args = args
         self.runner = ModelRunner(args.model_path, device=args.device, dtype=args.dtype,
                                   max_context_len=args.max_context_len, max_batch_size=args.max_batch_size,
-                                  max_prefill_tokens=args.max_prefill_tokens, fp32_lm_head=args.enable_fp32_lm_head)
+                                  max_prefill_tokens=args.max_prefill_tokens, fp32_lm_head=args.enable_fp32_lm_head,
+                                  max_lora_rank=args.max_lora_rank if args.enable_lora else 0,
+                                  lora_target_modules=args.lora_target_modules,
+                                  max_loras_per_batch=args.max_loras_per_batch)
         self.tokenizer = self.runner.tokenizer
         self.scheduler = Scheduler(self.runner, max_batch_size=args.max_batch_size,
                                    weight_version=str(args.weight_version), text_stop=self._text_stop)
@@ -200,6 +206,12 @@ class GenerationServer:
         self.tok_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.max_token_chars = _max_token_chars(self.tokenizer)
         self._set_version(str(args.weight_version))
+        # --enable-lora: lora_name → adapter slot, and the buckets of /load_lora_adapter_from_distributed
+        # received so far per lora_name (the bucket that sets weight_version is the last)
+        self.loras = LoraRegistry() if args.enable_lora else None
+        self.lora_lock = asyncio.Lock()
+        self._lora_staged: dict[str, dict[str, torch.Tensor]] = {}
+        self._lora_staged_cfg: dict[str, dict] = {}
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -228,6 +240,10 @@ class GenerationServer:
         r.add_post("/resume_memory_occupation", self.resume_memory)
         r.add_post("/begin_weight_update", self.begin_end)
         r.add_post("/end_weight_update", self.begin_end)
+        r.add_post("/load_lora_adapter", self.load_lora)
+        r.add_post("/unload_lora_adapter", self.unload_lora)
+        r.add_post("/load_lora_adapter_from_distributed", self.load_lora_distributed)
+        r.add_post("/update_weight_version", self.update_weight_version)
         if not self.args.disable_metrics:  # metrics.prometheus=false: no /metrics (404)
             r.add_get("/metrics", self.metrics)
         OpenAIRoutes(self).add_to(app)
@@ -596,25 +612,110 @@ class GenerationServer:
             rids_per_prompt = [uuid.uuid4().hex for _ in prompts]
         else:
             rids_per_prompt = [rid] if not batch else [f"{rid}_{i}" for i in range(len(prompts))]
+        lora_names = self._lora_names(body.get("lora_path"), len(prompts))
         jobs = self.make_jobs(prompts, params, rids_per_prompt, opts.top_logprobs_num)
+        for j in jobs:
+            j.seq.lora_name = lora_names[j.prompt_index]
         return jobs, batch or len(jobs) > 1, opts, prompts
+
+    # ---------------------------------------------------------------- LoRA of requests
+    def _lora_names(self, lp: Any, n_prompts: int) -> list[str | None]:
+        """`lora_path` of /generate: null, an adapter name, or a list of names (one, or one per prompt)."""
+        if lp is None:
+            return [None] * n_prompts
+        names = lp if isinstance(lp, list) else [lp]
+        if not names or not all(x is None or isinstance(x, str) for x in names) or len(names) not in (1, n_prompts):
+            raise BadRequest(f"'lora_path' must be a loaded adapter's name, a list of one name (or one per prompt) or "
+                             f"null, got {_short(lp)}")
+        if self.loras is None and any(x is not None for x in names):
+            raise BadRequest(f"LoRA adapter '{next(x for x in names if x is not None)}' was requested, but LoRA is "
+                             "not enabled. Please launch the server with --enable-lora flag and preload adapters "
+                             "using --lora-paths or /load_lora_adapter endpoint.")
+        return names * n_prompts if len(names) == 1 else list(names)
+
+    @staticmethod
+    def _lora_unknown(name: str) -> str:
+        return f"Got LoRA adapter that has never been loaded: {name}"
+
+    def _lora_acquire(self, seq: Seq) -> bool:
+        """Resolve `seq.lora_name` to the adapter slot it names now (holding that slot until the request
+        ends); False when no adapter has that name."""
+        slot = self.loras.acquire(seq.lora_name)
+        if slot is None:
+            return False
+        self._lora_drop(seq)
+        seq.lora = slot
+        return True
+
+    def _lora_drop(self, seq: Seq) -> None:
+        """Let go of `seq`'s adapter slot; a slot no name points to and no request holds is freed (on the
+        engine thread, once no running row uses it)."""
+        slot, seq.lora = seq.lora, None
+        if slot is None or self.loras is None:
+            return
+        self.loras.release(slot)
+        self._lora_free_if_dead(slot)
+
+    def _lora_free_if_dead(self, slot: str | None) -> None:
+        if slot is not None and self.loras.dead(slot):
+            fut = asyncio.ensure_future(self.scheduler.run_on_engine(self.runner.free_lora, slot))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _lora_resolve(self, jobs: list[Job]) -> None:
+        """At submission: each job's adapter name → its slot. While paused the names are resolved when
+        generation continues (`_lora_resolve_held`): a request held by a pause runs on the adapter the
+        name points to after it. An unknown name is a 400 (nothing submitted)."""
+        if self.loras is None or self.scheduler.paused:
+            return
+        for j in jobs:
+            if j.seq.lora_name is not None and not self._lora_acquire(j.seq):
+                name = j.seq.lora_name
+                self._lora_release(jobs)
+                raise BadRequest(self._lora_unknown(name))
+
+    def _lora_release(self, jobs: list[Job]) -> None:
+        if self.loras is not None:
+            for j in jobs:
+                self._lora_drop(j.seq)
+
+    def _lora_resolve_held(self) -> None:
+        """/continue_generation: the requests the pause held resolve their adapter names now (the
+        adapters may have been replaced meanwhile); an unknown name fails that request with a 400."""
+        if self.loras is None:
+            return
+        for req in list(self.scheduler.held):
+            seq = req.seq
+            if seq.lora_name is None or req.done:
+                continue
+            if not self._lora_acquire(seq):
+                self._lora_drop(seq)
+                self.scheduler._finish(req, {"type": "abort", "message": self._lora_unknown(seq.lora_name),
+                                             "status_code": 400, "err_type": "BadRequest"})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         jobs, as_list, opts, prompts = await self._parse_generate(body)
         try:  # a client that disconnects cancels this handler: its requests abort (submit_request)
+            self._lora_resolve(jobs)
             if opts.return_logprob and opts.logprob_start_len >= 0:
                 for pi, prompt in enumerate(prompts):
+                    slot = next((j.seq.lora for j in jobs if j.prompt_index == pi), None)
                     opts.input_logprobs[pi] = await self.input_logprobs(prompt, opts.logprob_start_len,
-                                                                        opts.top_logprobs_num, opts.text_in_logprobs)
+                                                                        opts.top_logprobs_num, opts.text_in_logprobs,
+                                                                        slot)
             t0 = time.perf_counter()
             if opts.stream:
                 return await self._stream_generate(request, jobs, as_list, opts, t0)
             reqs = await asyncio.gather(*(self.run_request(self.scheduler.new_request(j.seq)) for j in jobs))
+            for r in reqs:  # an adapter name unknown once a pause ended
+                fr = r.finish_reason or {}
+                if fr.get("status_code") == 400 and fr.get("err_type") == "BadRequest":
+                    raise BadRequest(fr.get("message", "bad request"))
             replies = [self._native_reply(j, r, opts, t0) for j, r in zip(jobs, reqs)]
             return web.json_response(replies if as_list else replies[0])
         finally:
             self.release(jobs)
+            self._lora_release(jobs)
 
     async def _stream_generate(self, request: web.Request, jobs: list[Job], as_list: bool, opts: GenOpts,
                                t0: float) -> web.StreamResponse:
@@ -677,6 +778,16 @@ class GenerationServer:
 
     async def run_request(self, req: Request) -> Request:
         seq = req.seq
+        if seq.lora_name is not None and seq.lora is None and self.loras is not None and not self.scheduler.paused:
+            # parsed while paused, submitted after the pause ended: resolve the name now
+            if not self._lora_acquire(seq):
+                req.finish_reason = {"type": "abort", "message": self._lora_unknown(seq.lora_name),
+                                     "status_code": 400, "err_type": "BadRequest"}
+                req.weight_version = self.scheduler.weight_version
+                req.done = True
+                if req.progress is not None:
+                    req.progress.set()
+                return req
         if seq.max_new_tokens == 0:  # nothing to generate: answer without touching the engine
             req.finish_reason = {"type": "length", "length": 0}
             req.weight_version = self.scheduler.weight_version
@@ -746,18 +857,20 @@ class GenerationServer:
     def _top_list(self, vals: list[float], ids: list[int], with_text: bool) -> list[list]:
         return [[v, i, self._tok_text(i) if with_text else None] for v, i in zip(vals, ids)]
 
-    async def input_logprobs(self, prompt: list[int], start: int, top_n: int, with_text: bool):
+    async def input_logprobs(self, prompt: list[int], start: int, top_n: int, with_text: bool,
+                             lora: str | None = None):
         """(input_token_logprobs, input_top_logprobs) from `start`: the first prompt token has none."""
-        lps, tops = await self.scheduler.run_on_engine(self._prompt_logprobs, prompt, top_n)
+        lps, tops = await self.scheduler.run_on_engine(self._prompt_logprobs, prompt, top_n, lora)
         token = [[lp, tid, self._tok_text(tid) if with_text else None] for lp, tid in zip(lps, prompt)][start:]
         top = [None if t is None else self._top_list(t[0], t[1], with_text) for t in tops][start:]
         return token, top
 
     @torch.inference_mode()
-    def _prompt_logprobs(self, prompt: list[int], top_n: int = 0):
+    def _prompt_logprobs(self, prompt: list[int], top_n: int = 0, lora: str | None = None):
         """Prompt-token logprobs (NOT temperature-scaled); the first token has none."""
         ids = torch.tensor([prompt], dtype=torch.long, device=self.runner.device)
-        logits = self.runner.model(input_ids=ids).logits
+        with self.runner.adapters([lora]):
+            logits = self.runner.model(input_ids=ids).logits
         lp = token_logprobs_from_logits(logits[:, :-1], ids[:, 1:], 1.0)[0].tolist()
         tops: list = [None]
         if top_n:
@@ -811,6 +924,8 @@ class GenerationServer:
             # /release_memory_occupation's state (co-located mode)
             "memory_released": sorted(self.released), "weights_undefined": self.weights_undefined,
             "weights_bytes": self.runner.weights_nbytes, "kv_cache_bytes": self.runner.kv.nbytes,
+            "lora_paths": self.loras.loaded() if self.loras is not None else {},
+            "loaded_lora_adapters": self.loras.loaded() if self.loras is not None else {},
             "internal_states": [{"max_running_requests_seen": self.scheduler.max_running_seen,
                                  **self.scheduler.loads()}]})
         return web.json_response(info)
@@ -837,6 +952,7 @@ class GenerationServer:
         blocked = self._memory_blocker()
         if blocked:
             raise BadRequest(f"cannot continue generation: {blocked}")
+        self._lora_resolve_held()
         self.scheduler.resume()
         return web.json_response({"success": True, "message": "continued"})
 
@@ -982,11 +1098,7 @@ class GenerationServer:
             if len(loads) >= RECV_SLOTS:  # the load that last read buffer k % RECV_SLOTS must be done
                 await asyncio.wait([loads[-RECV_SLOTS]])
             try:
-                if self.runner.device.type == "cuda":
-                    torch.cuda.set_device(self.runner.device)
-                named = await asyncio.to_thread(self.receiver.receive, group_name=group_name, names=names,
-                                                dtypes=dtypes, shapes=shapes, load_format=b.get("load_format"),
-                                                slot=k % RECV_SLOTS)
+                named = await self._receive(group_name, names, dtypes, shapes, b.get("load_format"), k % RECV_SLOTS)
             except Exception as e:
                 log.error("update_weights_from_distributed failed: %s", e)
                 return web.json_response({"success": False, "message": str(e)})
@@ -1021,6 +1133,15 @@ class GenerationServer:
         # wait for the trainer's broadcast to start; the load, the wait for earlier buckets' loads)
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors",
                                   "recv_s": t_recv - t0, "load_s": t_load - t_recv})
+
+    async def _receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                       load_format: str | None, slot: int) -> dict[str, torch.Tensor]:
+        """One bucket from the weight group (on a thread): per-tensor broadcasts, or one flattened bucket
+        received into the group's buffer `slot` (the tensors are views of it)."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
+        return await asyncio.to_thread(self.receiver.receive, group_name=group_name, names=names, dtypes=dtypes,
+                                       shapes=shapes, load_format=load_format, slot=slot)
 
     def _flush_refused(self, body: dict) -> web.Response | None:
         """After a weight update's load: SGLang's rule — `flush_cache` (default true) flushes, and a flush
@@ -1115,6 +1236,157 @@ class GenerationServer:
                                   "load_s": time.perf_counter() - t0})
 
 
+    # ---------------------------------------------------------------- LoRA adapters
+    def _lora_reply(self, ok: bool, error_message: str | None = None) -> web.Response:
+        """SGLang's LoRAUpdateOutput: 200 on success, 400 on failure."""
+        return web.json_response({"success": ok, "error_message": error_message,
+                                  "loaded_adapters": self.loras.loaded() if self.loras is not None else {}},
+                                 status=200 if ok else 400)
+
+    @staticmethod
+    def _lora_name_of(b: dict) -> str:
+        name = b.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("'lora_name' (a non-empty string) is required")
+        return name
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """SGLang's /load_lora_adapter {lora_name, lora_path, pinned, lora_id}: a peft adapter dir as a
+        new adapter slot under `lora_name`. Refused (400, nothing changed): LoRA not enabled, the name
+        loaded, --max-loaded-loras reached, a rank over --max-lora-rank, target modules outside
+        --lora-target-modules, missing files, tensors that do not fit the model."""
+        b = await self._json(request)
+        if self.loras is None:
+            return self._lora_reply(False, NOT_ENABLED)
+        name = self._lora_name_of(b)
+        path = b.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("'lora_path' (the adapter directory) is required")
+        if not isinstance(b.get("pinned", False), bool):
+            raise BadRequest("'pinned' must be true or false")
+        from areal_like.weights.adapter import read_adapter_config, read_adapter_tensors
+
+        async with self.lora_lock:
+            refused = self._lora_load_refused(name)
+            if refused:
+                return self._lora_reply(False, refused)
+            try:
+                cfg = await asyncio.to_thread(read_adapter_config, path, "lora_path")
+                tensors = await asyncio.to_thread(read_adapter_tensors, path, "lora_path")
+                slot = await self.scheduler.run_on_engine(self.runner.load_lora, cfg, tensors, name)
+            except (OSError, ValueError, RuntimeError) as e:
+                log.error("load_lora_adapter %s (%s) failed: %s", name, path, e)
+                return self._lora_reply(False, f"Failed to load LoRA adapter {name} from {path}: {e}")
+            self.loras.bind(name, slot, path)
+        log.info("loaded LoRA adapter %s from %s (slot %s)", name, path, slot)
+        return self._lora_reply(True)
+
+    def _lora_load_refused(self, name: str, replacing: bool = False) -> str:
+        if name in self.loras.names and not replacing:
+            return f"Failed to load LoRA adapter {name} because it is already loaded"
+        n = len(self.loras.names) + (0 if name in self.loras.names else 1)
+        if n > self.args.max_loaded_loras:
+            return (f"Failed to load LoRA adapter {name}: the maximum number of loaded LoRA adapters "
+                    f"(--max-loaded-loras {self.args.max_loaded_loras}) is reached; unload one first")
+        return ""
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        """SGLang's /unload_lora_adapter {lora_name}: the name goes at once; its slot is freed once no
+        request uses it."""
+        b = await self._json(request)
+        if self.loras is None:
+            return self._lora_reply(False, NOT_ENABLED)
+        name = self._lora_name_of(b)
+        async with self.lora_lock:
+            if name not in self.loras.names:
+                return self._lora_reply(False, f"LoRA with name {name} does not exist")
+            slot = self.loras.unbind(name)
+            self._lora_free_if_dead(slot)
+        log.info("unloaded LoRA adapter %s (slot %s)", name, slot)
+        return self._lora_reply(True)
+
+    async def load_lora_distributed(self, request: web.Request) -> web.Response:
+        """Our extension: an adapter pushed over the weight group. The body is an
+        /update_weights_from_distributed bucket (names: adapter tensor names without peft's prefix,
+        `model.layers.0.self_attn.q_proj.lora_A.weight`) plus `lora_name` and `config_dict` (the
+        adapter_config.json dict). Buckets are staged per lora_name; the one with a non-null
+        `weight_version` is the last: the staged tensors become a new slot that `lora_name` names
+        (replacing an adapter of that name; rows already on the old one finish on it) and the server's
+        weight version moves to it. Failures: 400, nothing changed."""
+        b = await self._json(request)
+        if self.loras is None:
+            return self._lora_reply(False, NOT_ENABLED)
+        name = self._lora_name_of(b)
+        try:
+            names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), [list(s) for s in b["shapes"]]
+        except (KeyError, TypeError) as e:
+            raise BadRequest(f"bad load_lora_adapter_from_distributed body: {e!r}")
+        cfg = b.get("config_dict")
+        if cfg is not None and not isinstance(cfg, dict):
+            raise BadRequest("'config_dict' must be the adapter_config.json object")
+        group_name = str(b.get("group_name") or "weight_update_group")
+        refused = self._update_refused()
+        if refused is not None:
+            body = json.loads(refused.body)
+            return self._lora_reply(False, body["message"])
+        async with self.update_lock:  # receives in arrival order: the broadcasts' order
+            loads = self._group_loads.get(group_name, [])
+            if loads:  # a full update's load may still read the group's receive buffers
+                await asyncio.wait(loads)
+            try:
+                named = await self._receive(group_name, names, dtypes, shapes, b.get("load_format"),
+                                            self._group_received.get(group_name, 0) % RECV_SLOTS)
+                named = {k: v.detach().to("cpu", copy=True) for k, v in named.items()}  # the buffer is reused
+            except Exception as e:
+                self._lora_staged.pop(name, None)
+                self._lora_staged_cfg.pop(name, None)
+                log.error("load_lora_adapter_from_distributed %s failed: %s", name, e)
+                return self._lora_reply(False, f"Failed to receive LoRA adapter {name}: {e}")
+            self._lora_staged.setdefault(name, {}).update(named)
+            if cfg is not None:
+                self._lora_staged_cfg[name] = cfg
+            if b.get("weight_version") is None:
+                return web.json_response({"success": True, "error_message": None,
+                                          "loaded_adapters": self.loras.loaded(),
+                                          "message": f"staged {len(names)} tensors of LoRA adapter {name}"})
+            tensors = self._lora_staged.pop(name)
+            cfg = self._lora_staged_cfg.pop(name, None)
+            if cfg is None:
+                return self._lora_reply(False, f"Failed to load LoRA adapter {name}: no config_dict was sent")
+            if b.get("abort_all_requests"):
+                self.scheduler.abort(abort_all=True, message="aborted for weight update")
+            async with self.lora_lock:
+                refused = self._lora_load_refused(name, replacing=True)
+                if refused:
+                    return self._lora_reply(False, refused)
+                try:
+                    slot = await self.scheduler.run_on_engine(self.runner.load_lora, cfg, tensors, name)
+                except (ValueError, RuntimeError) as e:
+                    log.error("load_lora_adapter_from_distributed %s failed: %s", name, e)
+                    return self._lora_reply(False, f"Failed to load LoRA adapter {name}: {e}")
+                old = self.loras.bind(name, slot, f"distributed:{group_name}@{b['weight_version']}")
+                self._lora_free_if_dead(old)
+                self._set_version(str(b["weight_version"]))
+        log.info("loaded LoRA adapter %s from group %s (slot %s, weight_version %s)", name, group_name, slot,
+                 b["weight_version"])
+        return self._lora_reply(True)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's /update_weight_version {new_version, abort_all_requests = true}."""
+        b = await self._json(request)
+        version = b.get("new_version")
+        if not isinstance(version, str) or not version:
+            raise BadRequest("'new_version' (a non-empty string) is required")
+        abort = b.get("abort_all_requests", True)
+        if not isinstance(abort, bool):
+            raise BadRequest("'abort_all_requests' must be true or false")
+        if abort:
+            self.scheduler.abort(abort_all=True, message="aborted for weight version update")
+        self._set_version(version)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": version})
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m areal_like.engine.server", description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF model dir (safetensors + tokenizer)")
@@ -1152,7 +1424,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start as after /pause_generation: requests are held (/health answers 'paused') until "
                         "/continue_generation — a restarted server must not serve --model-path's weights to "
                         "rollouts before the learner pushed the current ones")
+    # LoRA (SGLang's flag names)
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter, lora_path)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank served (with --enable-lora)")
+    p.add_argument("--lora-target-modules", nargs="*", default=None,
+                   help="modules adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all")
+    p.add_argument("--max-loras-per-batch", type=int, default=8, help="distinct adapters in one running batch")
+    p.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="adapters loaded at a time (default: --max-loras-per-batch)")
     args = p.parse_args(argv)
+    if args.enable_lora:
+        from areal_like.engine.lora import resolve_targets
+
+        if args.max_lora_rank is None:
+            p.error("--max-lora-rank is required with --enable-lora (the largest adapter rank to serve)")
+        if not args.lora_target_modules:
+            p.error("--lora-target-modules is required with --enable-lora (e.g. q_proj v_proj, or all)")
+        if args.max_lora_rank < 1:
+            p.error("--max-lora-rank must be ≥ 1")
+        try:
+            args.lora_target_modules = resolve_targets(args.lora_target_modules, "--lora-target-modules")
+        except ValueError as e:
+            p.error(str(e))
+    if args.max_loras_per_batch < 1:
+        p.error("--max-loras-per-batch must be ≥ 1")
+    if args.max_loaded_loras is None:
+        args.max_loaded_loras = args.max_loras_per_batch
+    elif args.max_loaded_loras < args.max_loras_per_batch:
+        p.error("--max-loaded-loras must be ≥ --max-loras-per-batch")
     if args.max_batch_size < 1 or args.max_context_len < 2:
         p.error("--max-batch-size must be ≥ 1 and --max-context-len ≥ 2")
     # Keys from the environment keep them out of argv (which every local user can read in /proc).

@@ -19,6 +19,11 @@
                                           size and sha256 of every file above (the manifest) — written
                                           last: a directory without it is never a checkpoint
         hf/                               with train.export_hf: a complete HF model dir of the actor
+                                          (LoRA: a peft adapter dir; hf_merged/ with train.export_merged:
+                                          the model with the adapter merged in)
+    With LoRA (`model.lora_rank` > 0) the actor's file is the adapter alone, as peft writes it
+    (adapter_config.json + adapter_model.safetensors, the fp32 master), its AdamW state the adapter's:
+    the frozen base is model.path, never copied.
     <checkpoint_dir>/latest             names the newest complete checkpoint; replaced atomically after it
 
 `resume_mode`: "auto" resumes from `latest` if there is one (a fresh run otherwise), "disable" never
@@ -56,6 +61,8 @@ import torch
 import torch.distributed as dist
 
 from areal_like.api.config import TrainConfig
+from areal_like.learner.lora import MergedWeights
+from areal_like.weights.adapter import read_adapter_tensors, write_adapter_dir
 from areal_like.weights.disk import SafetensorsDir, write_safetensors_shards
 
 log = logging.getLogger(__name__)
@@ -250,7 +257,8 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
             "optimizer_steps": trainer.actor.optimizer_steps, "version": trainer.version,
             "model_path": trainer.model_path, "critic": trainer.critic is not None, "extra": extra or {},
             "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype,
-            "dp_sharding": trainer.dp_sharding, "optimizer_state": _with_optimizer_state(trainer)}
+            "dp_sharding": trainer.dp_sharding, "optimizer_state": _with_optimizer_state(trainer),
+            "lora": _lora_config(trainer)}
     meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
     if trainer.is_rank0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -258,7 +266,10 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
     trainer.barrier()  # the tmp dir exists
     # Full tensors, streamed from the shards one file at a time (rank 0 writes; the others join the gathers)
     for model, prefix in ((trainer.actor, "model"), (trainer.critic, "critic")):
-        if model is not None:  # the master too (fp32 with a 16-bit model.dtype)
+        if model is not None and prefix == "model" and trainer.lora is not None:
+            # LoRA: the adapter alone (the master, fp32), as a peft adapter dir; the base stays model.path
+            write_adapter_dir(model.weights(adapter=True), tmp, meta["lora"], write=trainer.is_rank0)
+        elif model is not None:  # the master too (fp32 with a 16-bit model.dtype)
             write_safetensors_shards(model.weights(), tmp, shard_bytes=HF_SHARD_BYTES, write=trainer.is_rank0,
                                      prefix=prefix)
     _save_optimizer(trainer, tmp)
@@ -312,8 +323,20 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         log.warning("checkpoint %s: its master weights and AdamW state are %s; this run keeps them in %s "
                     "(train.master_dtype): converted on load", path,
                     saved_master or "in its model.dtype (written before train.master_dtype)", trainer.cfg.master_dtype)
+    saved_lora = meta.get("lora")
+    if bool(saved_lora) != (trainer.lora is not None):
+        raise ValueError(f"checkpoint {path} {'holds a LoRA adapter' if saved_lora else 'holds a full model'} but this "
+                         f"run {'trains LoRA' if trainer.lora is not None else 'fine-tunes the full model'}: resume "
+                         f"with model.lora_rank={saved_lora['r'] if saved_lora else 0}, or start a new run "
+                         f"(train.resume_mode=disable)")
+    if saved_lora and int(saved_lora["r"]) != trainer.lora.rank:
+        raise ValueError(f"checkpoint {path} holds a rank-{saved_lora['r']} adapter, this run model.lora_rank="
+                         f"{trainer.lora.rank}: resume with model.lora_rank={saved_lora['r']}")
     # read tensor by tensor on the host (one full tensor in memory at a time), each rank keeping its shard
-    trainer.actor.load_full(SafetensorsDir(path, "model"), path)
+    if saved_lora:
+        trainer.actor.load_full(read_adapter_tensors(path, "checkpoint"), path, adapter=True)
+    else:
+        trainer.actor.load_full(SafetensorsDir(path, "model"), path)
     if trainer.critic is not None:
         trainer.critic.load_full(SafetensorsDir(path, "critic"), path)
     own = _rank_file(path, trainer.layout.rank)
@@ -339,16 +362,30 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
     return dict(meta.get("extra", {}))
 
 
-def export_hf(trainer, out_dir: str) -> str:
+def _lora_config(trainer) -> dict | None:
+    from areal_like.weights.adapter import adapter_config
+
+    return adapter_config(trainer.lora, trainer.model_path) if trainer.lora is not None else None
+
+
+def export_hf(trainer, out_dir: str, *, merged: bool = False) -> str:
     """A complete HF model dir of the actor (config, safetensors shards in `model.dtype`, tokenizer
     files), written by rank 0 from the shards one file at a time (`weights.disk.write_safetensors_shards`:
-    rank 0 never holds the whole model). Collective: every rank calls it."""
-    if trainer.is_rank0:
-        os.makedirs(out_dir, exist_ok=True)
-        trainer.config.save_pretrained(out_dir)
-    # the master: written in model.dtype, the model's own dtype
-    write_safetensors_shards(trainer.actor.weights(), out_dir, dtype=trainer.dtype, shard_bytes=HF_SHARD_BYTES,
-                             write=trainer.is_rank0)
+    rank 0 never holds the whole model). Collective: every rank calls it.
+
+    With LoRA: a peft adapter dir (adapter_config.json + adapter_model.safetensors, in `model.dtype`;
+    `PeftModel.from_pretrained(base, out_dir)` loads it) plus the tokenizer files; `merged`: the whole
+    model with the adapter merged into its weights instead (`learner.lora.MergedWeights`)."""
+    if trainer.lora is not None and not merged:
+        write_adapter_dir(trainer.actor.weights(adapter=True), out_dir, _lora_config(trainer), dtype=trainer.dtype,
+                          write=trainer.is_rank0)
+    else:
+        if trainer.is_rank0:
+            os.makedirs(out_dir, exist_ok=True)
+            trainer.config.save_pretrained(out_dir)
+        # the master: written in model.dtype, the model's own dtype
+        src = MergedWeights(trainer.actor, trainer.lora.scaling) if trainer.lora is not None else trainer.actor.weights()
+        write_safetensors_shards(src, out_dir, dtype=trainer.dtype, shard_bytes=HF_SHARD_BYTES, write=trainer.is_rank0)
     if trainer.is_rank0:
         for name in os.listdir(trainer.model_path):
             src = os.path.join(trainer.model_path, name)
@@ -376,7 +413,7 @@ def _verified(trainer, path: str) -> str | None:
 
 class CheckpointManager:
     def __init__(self, root: str, *, save_freq: int, resume_mode: str | int = "auto", keep: int = 2,
-                 export_hf: bool = False) -> None:
+                 export_hf: bool = False, export_merged: bool = False) -> None:
         if save_freq < 0:
             raise ValueError("train.save_freq must be ≥ 0 (0 = never): set train.save_freq=10")
         if keep < 1:
@@ -386,13 +423,14 @@ class CheckpointManager:
         self.resume_mode = str(resume_mode)  # a step number arrives as an int from YAML/overrides
         self.keep = keep
         self.export_hf = export_hf
+        self.export_merged = export_merged  # LoRA: also the merged model (hf_merged/)
         self.rollback = False  # set by `resume`
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, run_dir: str) -> "CheckpointManager":
         root = cfg.checkpoint_dir or os.path.join(run_dir, "checkpoints")
         return cls(root, save_freq=cfg.save_freq, resume_mode=cfg.resume_mode, keep=cfg.keep_checkpoints,
-                   export_hf=cfg.export_hf)
+                   export_hf=cfg.export_hf, export_merged=cfg.export_merged)
 
     # ---- resume ---------------------------------------------------------------------------------
     def _latest_name(self) -> str | None:
@@ -568,6 +606,8 @@ class CheckpointManager:
         save_checkpoint(trainer, path, extra)  # collective; atomic rename inside
         if self.export_hf:
             export_hf(trainer, os.path.join(path, "hf"))
+        if self.export_merged and trainer.lora is not None:
+            export_hf(trainer, os.path.join(path, "hf_merged"), merged=True)
         if trainer.is_rank0:
             tmp = os.path.join(self.root, "latest.tmp")
             with open(tmp, "w") as f:

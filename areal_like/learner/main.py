@@ -174,11 +174,13 @@ class Coordinator:
             await self.pusher.init()
             # Co-located: a learner that died inside its training phase left the servers paused with their
             # memory released; the push below gives it back first (`_push`) and continues them.
-            if extra is None and not self.colocated:
+            if extra is None and not self.colocated and self.cfg.model.lora_rank == 0:
                 await self.pusher.resume()
         except WeightPushError as e:
             resync = f"setting up weight sync failed ({e})"
-        if extra is not None or resync is not None or self.colocated:
+        # LoRA: the servers start with the base alone, and every request names the run's adapter — it is
+        # pushed before anything generates (a fresh adapter leaves the base's outputs unchanged)
+        if extra is not None or resync is not None or self.colocated or self.cfg.model.lora_rank > 0:
             await self._push(weights, version, resync=resync)
         if extra is not None:
             _log(f"resumed from step {step} (version {version}); servers reloaded")
@@ -424,6 +426,7 @@ class Coordinator:
             staleness_mean=sum(staleness) / len(staleness) if staleness else float("nan"),
             dropped_stale=batch.dropped_stale, filtered=batch.filtered, samples=stats["num_samples"],
             step_s=stats["step_s"], push_s=push["push_s"], pause_window_s=push.get("pause_window_s"),
+            push_bytes=push.get("bytes"),
             fetch_s=batch.fetch_s, loss=stats["loss"], grad_norm=stats["grad_norm"], clipfrac=stats["clipfrac"],
             approx_kl=stats["approx_kl"], behav_w_min=stats["behav_w_min"], behav_w_max=stats["behav_w_max"],
             behav_tokens_capped=stats["behav_tokens_capped"], kl_ref=stats["kl_ref"], entropy=stats["entropy"],
@@ -515,6 +518,8 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         _log(f"precision: {trainer.precision_policy}")  # model.dtype computes; train.master_dtype holds the state
         _log(f"memory: {trainer.memory_policy}")  # model.enable_gradient_checkpointing, train.logits_chunk_tokens
         _log(f"data parallel: {trainer.sharding_policy}")  # train.dp_sharding, the allocation's training d
+        if trainer.lora is not None:
+            _log(f"LoRA: {trainer.lora_policy}")  # model.lora_rank, lora_alpha, target_modules, lora_path
     ckpt = CheckpointManager.from_config(cfg.train, run_dir=run_dir)
     try:  # every rank; verified first, falls back past an unusable newest checkpoint (`auto`)
         extra = ckpt.resume(trainer, explicit=incarnation == 0, log=_log)

@@ -5,7 +5,7 @@
                  parameters are *stored* in: the master dtype when FSDP shards a trainable model
                  (its shards are the master), the compute dtype otherwise
     convert      model-to-model rewrites before any parallelism: the critic's value head
-                 (`value_head`); the seam where adapters (LoRA) go. A converter's new tensors
+                 (`value_head`); the actor's LoRA adapters (`learner/lora.py`). A converter's new tensors
                  are listed in `FRESH_ATTR` with their init (the value head: zeros)
     parallelize  pipeline split → tensor parallel → activation checkpointing → data parallel
                  (parallelize.py, in that order), still on meta
@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from areal_like.learner.lora import LoraSettings, ModelFiles, canonical_name, is_lora_name, lora_converter
 from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.parallelize import parallelize_model
 from areal_like.learner.parallel.sharded_model import DP_SHARDING, ShardedModel, full_meta_of
@@ -109,11 +110,13 @@ def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def materialize(stage: nn.Module, path: str, where: str, *, device: torch.device, tied: bool,
-                fresh: dict) -> None:
+                fresh: dict, lora: LoraSettings | None = None, lora_shapes: dict | None = None, seed: int = 0) -> None:
     """Step 4: storage for this rank's parameters (its shards: `to_empty`, which FSDP2 supports on a
     sharded module) and their values from the safetensors files at `path`, read one tensor at a time
-    on the host; buffers keep the values they were built with."""
+    on the host; buffers keep the values they were built with. With `lora`, the adapter's tensors
+    (`lora_shapes`, by canonical name) come from `lora.path` or a fresh init seeded by `seed`."""
     from areal_like.learner.parallel.sharded_model import load_full_into
+    from areal_like.weights.adapter import read_adapter
     from areal_like.weights.disk import SafetensorsDir
 
     try:
@@ -131,30 +134,48 @@ def materialize(stage: nn.Module, path: str, where: str, *, device: torch.device
     with torch.no_grad():
         for n, b in stage.named_buffers():
             b.copy_(buffers[n])
-    local = [(n.removeprefix("hf."), p) for n, p in stage.named_parameters()]
-    local += [(n.removeprefix("hf."), b) for n, b in stage.named_buffers() if n.removeprefix("hf.") in weights]
+    if lora is not None:  # the base from `path`, the adapter from model.lora_path or fresh
+        weights = ModelFiles(weights, lora_shapes, seed=seed, adapter=read_adapter(lora.path, lora) if lora.path else None)
+    local = [(canonical_name(n.removeprefix("hf.")), p) for n, p in stage.named_parameters()]
+    local += [(canonical_name(n.removeprefix("hf.")), b) for n, b in stage.named_buffers()
+              if canonical_name(n.removeprefix("hf.")) in weights]
     load_full_into(local, weights, where, tied=tied, fresh=fresh)
 
 
 def build_model(path: str, role: str, layout: ParallelLayout, *, train_cfg, compute_dtype: torch.dtype,
                 master_dtype: torch.dtype, device: torch.device, dp_sharding: str,
                 checkpoint_layers: bool = False, converters: tuple[Converter, ...] = (),
-                param_offload: bool = False, optimizer_offload: bool = False) -> ShardedModel:
+                param_offload: bool = False, optimizer_offload: bool = False, lora: LoraSettings | None = None,
+                seed: int = 0) -> ShardedModel:
     """load → convert → parallelize → `ShardedModel`, for `role` (actor | critic | reference).
     Trainable: actor and critic; the reference is frozen (sharded the same way, no optimizer).
 
     `param_offload`: the model is loaded into host memory and FSDP keeps its shards there (its CPU
-    offload policy); `optimizer_offload`: AdamW state in host memory between steps (ShardedModel)."""
+    offload policy); `optimizer_offload`: AdamW state in host memory between steps (ShardedModel).
+
+    `lora` (`model.lora_rank` > 0, the actor): peft's LoRA layers go in at the convert step
+    (learner/lora.py); the frozen base is stored in the compute dtype, the adapter — the only
+    trainable tensors — in the master dtype where FSDP's shards are the master; `seed` seeds a
+    fresh adapter's init."""
     if role not in ROLES:
         raise ValueError(f"unknown model role {role!r}: one of {ROLES}")
     trainable = role != "reference"
     fsdp = dp_sharding != "none"
-    stored = master_dtype if fsdp and trainable else compute_dtype
+    stored = master_dtype if fsdp and trainable and lora is None else compute_dtype
     hf = load_hf(path, dtype=stored)  # 1. load (the architecture, parameters on meta)
+    if lora is not None:
+        if not trainable:
+            raise ValueError(f"LoRA is for trainable models, not the {role}")
+        if "lm_head" in lora.target_modules and fsdp and layout.dp > 1 and not param_offload:
+            raise ValueError("model.target_modules names lm_head, but under FSDP (train.dp_sharding="
+                             f"{dp_sharding}, d{layout.dp}) the LM head is split by vocabulary rows, which an "
+                             "adapter cannot wrap: drop lm_head, or set train.dp_sharding=none")
+        converters = (*converters, lora_converter(lora, adapter_dtype=master_dtype if fsdp else compute_dtype))
     for convert in converters:  # 2. convert
         hf = convert(hf)
+    lora_shapes = {canonical_name(n): tuple(p.shape) for n, p in hf.named_parameters() if is_lora_name(n)}
     meta = full_meta_of(hf, layout.pp)
-    param_names = {n for n, _ in hf.named_parameters()}
+    param_names = {canonical_name(n) for n, _ in hf.named_parameters()}
     tied = bool(getattr(hf.config, "tie_word_embeddings", False))
     fresh = getattr(hf, FRESH_ATTR, {})
     stage = parallelize_model(hf, layout, checkpoint_layers=checkpoint_layers and trainable,  # 3. parallelize
@@ -162,7 +183,7 @@ def build_model(path: str, role: str, layout: ParallelLayout, *, train_cfg, comp
                               reduce_dtype=master_dtype if trainable else compute_dtype, offload=param_offload)
     # 4. materialize this rank's shards (FSDP's CPU offload keeps them in host memory)
     materialize(stage, path, f"{role} model {path!r}", device=torch.device("cpu") if param_offload else device,
-                tied=tied, fresh=fresh)
+                tied=tied, fresh=fresh, lora=lora, lora_shapes=lora_shapes, seed=seed)
     return ShardedModel(stage, meta, param_names, layout, trainable=trainable,  # 5. wrap
                         out_dim=1 if role == "critic" else None, train_cfg=train_cfg, compute_dtype=compute_dtype,
                         master_dtype=master_dtype, dp_sharding=dp_sharding, role=role, device=device,

@@ -81,6 +81,7 @@ from areal_like.learner.batching import (
     unpack_rows,
 )
 from areal_like.learner.logprobs import chunked_token_logprobs, fp32_lm_head as use_fp32_lm_head
+from areal_like.learner.lora import LoraSettings, adapters_disabled, dropout_active
 from areal_like.learner.model import build_model, effective_dp_sharding, value_head
 from areal_like.learner.parallel.layout import LayoutSpec, ParallelLayout
 from areal_like.learner.parallel.parallelize import build_pipeline_schedule
@@ -124,6 +125,7 @@ class Trainer:
         compute_entropy: bool | None = None,
         gradient_checkpointing: bool = False,
         fp32_lm_head: bool = False,
+        lora: LoraSettings | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)} (model.dtype)")
@@ -163,8 +165,10 @@ class Trainer:
         self.dp_sharding = effective_dp_sharding(train_cfg.dp_sharding, layout)
         build = dict(train_cfg=train_cfg, compute_dtype=self.dtype, master_dtype=DTYPES[md], device=self.device,
                      dp_sharding=self.dp_sharding, checkpoint_layers=self.gradient_checkpointing)
+        self.lora = lora  # model.lora_rank > 0: the actor trains a LoRA adapter (learner/lora.py)
         self.actor = build_model(model_path, "actor", layout, param_offload=train_cfg.param_offload,
-                                 optimizer_offload=train_cfg.optimizer_offload, **build)
+                                 optimizer_offload=train_cfg.optimizer_offload, lora=lora, seed=train_cfg.seed,
+                                 **build)
         self.config = self.actor.config
         self.fp32_lm_head = bool(fp32_lm_head)
         self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
@@ -175,7 +179,11 @@ class Trainer:
                                       param_offload=c.param_offload, optimizer_offload=c.optimizer_offload, **build)
         self.ref: ShardedModel | None = None
         r = ref or RefConfig()
-        if self.alg.kl_loss_on or self.alg.kl_reward_on:
+        # With LoRA the reference is the actor's own base (its adapter disabled), unless ref.path names
+        # another model: no second copy of the weights (verl's way)
+        self.ref_is_base = bool(lora is not None and (self.alg.kl_loss_on or self.alg.kl_reward_on)
+                                and r.path in (None, model_path))
+        if (self.alg.kl_loss_on or self.alg.kl_reward_on) and not self.ref_is_base:
             self.ref = build_model(r.path or model_path, "reference", layout, param_offload=r.param_offload, **build)
         if self.fp32_lm_head:  # model.fp32_lm_head: logits in fp32 (actor and reference; the critic has no LM head)
             for m in (self.actor, self.ref):
@@ -198,6 +206,7 @@ class Trainer:
                    dtype=cfg.model.dtype, algorithm=cfg.algorithm, critic=cfg.critic, ref=cfg.ref,
                    reward=cfg.reward, max_new_tokens=cfg.generation.max_new_tokens,
                    gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+                   lora=LoraSettings.from_model_config(cfg.model),
                    fp32_lm_head=cfg.model.fp32_lm_head)
 
     @property
@@ -228,6 +237,24 @@ class Trainer:
         c = str(self.dtype).removeprefix("torch.")
         m = self.cfg.master_dtype
         return f"compute {c}, master {m}, grad reduce {m}, AdamW state {m}" + (", LM head fp32" if self.fp32_lm_head else "")
+
+    @property
+    def lora_policy(self) -> str:
+        """What `model.lora_*` made of the actor (logged once by rank 0); "" without LoRA."""
+        lo = self.lora
+        if lo is None:
+            return ""
+        n_train = sum(p.numel() for p in self.actor.opt_params)
+        return (f"rank {lo.rank}, alpha {lo.alpha:g} (scale {lo.scaling:g}) on {','.join(lo.target_modules)}; "
+                f"this rank trains {n_train} adapter parameters, the base frozen"
+                + (f"; started from {lo.path}" if lo.path else "")
+                + ("; the KL reference is the base with the adapter disabled (no reference copy)"
+                   if self.ref_is_base else ""))
+
+    @property
+    def has_ref(self) -> bool:
+        """A KL term's reference logprobs are computed: a reference model, or the LoRA actor's base."""
+        return self.ref is not None or self.ref_is_base
 
     @property
     def is_rank0(self) -> bool:
@@ -443,7 +470,7 @@ class Trainer:
                 acc["neg_behav_w_min"] = torch.maximum(acc["neg_behav_w_min"],
                                                        torch.where(on.any(), -w_min, acc["neg_behav_w_min"]))
                 acc["adv_abs_mean"] += (tgt[..., CH_ADV].abs() * mask).sum() / max(loss_tokens, 1)
-            if self.ref is not None:
+            if self.has_ref:
                 kl = A.kl_estimate(logp, tgt[..., CH_REF], alg.kl_estimator)
                 kl = torch.where(on, kl, torch.zeros_like(kl))
                 acc["kl_ref"] += (kl.detach() * mask).sum() / max(loss_tokens, 1)
@@ -476,6 +503,11 @@ class Trainer:
                           channels: dict[int, SampleArrays], loss_fn) -> None:
         """Accumulate this rank's share of ∇L into `.grad` (before the dp all-reduce; FSDP
         reduce-scatters each micro-batch's as its backward runs)."""
+        with dropout_active(shard.stage_module, self.lora.dropout if self.lora is not None else 0.0):
+            self._forward_backward_inner(shard, samples, rows, channels, loss_fn)
+
+    def _forward_backward_inner(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int],
+                                channels: dict[int, SampleArrays], loss_fn) -> None:
         if self.layout.pp == 1:
             for mb in self._micro_batches(shard, samples, rows, channels):
                 mb = mb or self._filler()
@@ -594,6 +626,9 @@ class Trainer:
             channels[CH_PROX] = self._forward_logprobs(self.actor, samples, mine)
         if self.ref is not None:
             channels[CH_REF] = self._forward_logprobs(self.ref, samples, mine)
+        elif self.ref_is_base:
+            with adapters_disabled(self.actor.stage_module):
+                channels[CH_REF] = self._forward_logprobs(self.actor, samples, mine)
         if self.critic is not None:
             channels[CH_OLD_VALUE] = self._forward_values(self.critic, samples, mine)
         # 3. advantages (and critic returns) where the loss runs
@@ -663,7 +698,7 @@ class Trainer:
             "mismatch_kl": st["mm_k3_sum"] / mm_n if mm_n else float("nan"),
             "mismatch_ratio_outside": st["mm_outside"] / mm_n if mm_n else float("nan"),
             "mismatch_tokens": int(round(mm_n)),
-            "kl_ref": st["kl_ref"] if self.ref is not None else None,
+            "kl_ref": st["kl_ref"] if self.has_ref else None,
             "value_loss": float(np.mean(value_losses)) if value_losses else None,
             "critic_grad_norm": float(np.mean(critic_norms)) if critic_norms else None,
             "lr": lr, "critic_lr": critic_lr if self.critic is not None else None,
@@ -683,7 +718,15 @@ class Trainer:
         order; parameters from the optimizer's master, fp32 with a 16-bit `model.dtype`: the push casts
         them once, to `server.dtype`). Rank 0 reads it one bucket at a time, gathering each from the
         shards; the other ranks join those gathers from their `leader_ready` wait (`serve_command`).
-        It reads the live weights: push it before the next `train_step`."""
+        It reads the live weights: push it before the next `train_step`.
+
+        With LoRA: the adapter's tensors only, with its peft config (`weights.adapter.AdapterWeights`):
+        the servers keep their base and load the adapter."""
+        if self.lora is not None:
+            from areal_like.weights.adapter import AdapterWeights, adapter_config
+
+            return AdapterWeights(self.actor.weights(announce=self.layout.leader_command, adapter=True),
+                                  adapter_config(self.lora, self.model_path))
         return self.actor.weights(announce=self.layout.leader_command)
 
     # ---- co-located mode -----------------------------------------------------------------------------

@@ -64,6 +64,7 @@ KEY_MAP: dict[str, str] = {
     "push_s": "perf/push_s",
     "fetch_s": "perf/fetch_s",
     "pause_window_s": "perf/pause_window_s",
+    "push_bytes": "perf/push_bytes",
     "device_mem_peak_gib": "perf/device_mem_peak_gib",
     # buffer state when the step's row was made (rows that carry it)
     "buffer_depth": "buffer/depth",

@@ -59,7 +59,7 @@ class ServerAdmin:
         except aiohttp.ClientError as e:
             raise WeightPushError(f"{url}{path} failed: {type(e).__name__}: {e}") from e
         if isinstance(data, dict) and data.get("success") is False:
-            raise WeightPushError(f"{url}{path} reported failure: {data.get('message')}")
+            raise WeightPushError(f"{url}{path} reported failure: {data.get('message') or data.get('error_message')}")
         return data
 
     async def _all(self, path: str, body: dict[str, Any], **kw) -> list:

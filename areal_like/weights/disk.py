@@ -8,6 +8,8 @@ network, firewalled ports, a server build without distributed updates, SGLang wi
  pause(abort) all ──► POST /update_weights_from_disk {model_path, weight_version} to all ──► continue all
  delete all but the newest `keep` version dirs
 ```
+A LoRA learner's push (`weights.adapter.AdapterWeights`) writes the adapter alone as a peft directory
+and swaps the servers' run adapter with SGLang's /unload_lora_adapter + /load_lora_adapter instead.
 A server that fails to load rolls back to its old weights (PROTOCOL.md), so a failed push leaves
 every server serving a complete set of weights; this pusher then continues generation and raises.
 Same interface as `WeightPusher` (`init`, `push`, `close`), so the learner does not care which one
@@ -17,6 +19,7 @@ it holds. This module does not decide when to push or which version comes next (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 from areal_like import metrics
+from areal_like.weights.adapter import ADAPTER_NAME, is_adapter, write_adapter_version
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import parse_dtype
 from areal_like.weights.source import WeightSource, as_source, plan_buckets, wire_dtype_of
@@ -215,6 +219,8 @@ class DiskWeightPusher(ServerAdmin):
         and WeightPushError names the server."""
         if self._session is None:
             raise WeightPushError("update() before init(): call init() first")
+        if is_adapter(weights):
+            return await self._update_adapter(weights, version, paused=paused)
         t0 = time.perf_counter()
         path = self.version_dir(version)
         # Written before the pause: generation does not wait for the disk.
@@ -245,6 +251,54 @@ class DiskWeightPusher(ServerAdmin):
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "write_s": t_written - t0,
                 "bytes": nbytes, "buckets": 1, "path": path}
+
+    async def _update_adapter(self, weights, version: int, *, paused: bool) -> dict[str, Any]:
+        """A LoRA learner's push (`weights.adapter.AdapterWeights`): the adapter written as a peft dir
+        (`<out_dir>/v<version>/`), then, paused: every server unloads the run's adapter
+        (`ADAPTER_NAME`; absent on a fresh or restarted server) and loads the new dir under that name
+        (SGLang's /load_lora_adapter), and takes `version` as its weight version. A server that fails
+        to load gets the previous version's dir back (best effort) before the error is raised."""
+        t0 = time.perf_counter()
+        path = self.version_dir(version)
+        nbytes = await asyncio.to_thread(write_adapter_version, weights, path, weights.adapter_config, dtype=self.dtype)
+        t_written = time.perf_counter()
+        if not paused:
+            await self.pause("abort")
+        t_paused = time.perf_counter()
+        failure: BaseException | None = None
+        try:
+            await asyncio.gather(*(self._swap_adapter(u, path, version) for u in self.server_urls))
+        except BaseException as e:
+            failure = e
+        finally:
+            if not paused:
+                if failure is None:  # the prefix cache holds KV computed with the old adapter
+                    await self._all("/flush_cache", {})
+                await self.resume()
+        if failure is not None:
+            raise failure
+        self.last_adapter = path
+        t_end = time.perf_counter()
+        await asyncio.to_thread(self._prune, path)
+        metrics.PUSH_SECONDS.observe(t_end - t0)
+        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "write_s": t_written - t0,
+                "bytes": nbytes, "buckets": 1, "path": path, "adapter": True}
+
+    async def _swap_adapter(self, url: str, path: str, version: int) -> None:
+        try:
+            await self._post(url, "/unload_lora_adapter", {"lora_name": ADAPTER_NAME})
+        except WeightPushError as e:
+            if "does not exist" not in str(e):  # a fresh or restarted server has none
+                raise
+        try:
+            await self._post(url, "/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": path})
+        except WeightPushError:
+            previous = getattr(self, "last_adapter", None)
+            if previous and os.path.isdir(previous):
+                with contextlib.suppress(WeightPushError):
+                    await self._post(url, "/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": previous})
+            raise
+        await self._post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     def _prune(self, current: str) -> None:
         """Keep `current` and the `keep` − 1 most recently written other version dirs; leftover tmp dirs

@@ -31,6 +31,7 @@ import time
 import torch
 
 from areal_like import metrics
+from areal_like.weights.adapter import ADAPTER_NAME, is_adapter
 from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
 from areal_like.api.net import free_port
 from areal_like.weights.group import WeightGroup, init_weight_group
@@ -229,6 +230,10 @@ class WeightPusher(ServerAdmin):
         dt = self.dtype
         src = as_source(weights)
         meta = src.meta
+        # A LoRA learner's push: the adapter's tensors, loaded by the servers as the run's adapter
+        # (our route; SGLang has no distributed one for adapters — its LoRA runs push through disk)
+        adapter = is_adapter(weights)
+        route = "/load_lora_adapter_from_distributed" if adapter else "/update_weights_from_distributed"
         buckets = plan_buckets(meta, self.bucket_bytes, dt)
         overlap = not src.gathers
         device = src.device
@@ -264,18 +269,20 @@ class WeightPusher(ServerAdmin):
                 "weight_version": str(version) if last else None,
                 "load_format": "flattened_bucket" if self.flattened else None,
             }
+            if adapter:
+                body.update(lora_name=ADAPTER_NAME, config_dict=weights.adapter_config)
             if self.flattened:
                 # A gathering source is filled before the servers are asked to receive: they wait in
                 # the broadcast only as long as it takes.
                 buf = await next_flat
-                http = [asyncio.ensure_future(self._post(u, "/update_weights_from_distributed", body))
+                http = [asyncio.ensure_future(self._post(u, route, body))
                         for u in self.server_urls]
                 # In memory: fill the next bucket into the other buffer while this one is broadcast.
                 next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i + 1)) if overlap and not last else None
                 total_bytes += buf.numel()
                 coll = lambda buf=buf, i=i: self.group.broadcast(buf, 0, what=f"bucket {i}")  # noqa: E731
             else:
-                http = [asyncio.ensure_future(self._post(u, "/update_weights_from_distributed", body))
+                http = [asyncio.ensure_future(self._post(u, route, body))
                         for u in self.server_urls]
                 total_bytes += sum(meta_nbytes(meta[j], dt) for j in idx)
 
@@ -304,7 +311,7 @@ class WeightPusher(ServerAdmin):
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total_bytes,
-                "buckets": len(buckets)}
+                "buckets": len(buckets), "adapter": adapter}
 
     async def close(self) -> None:
         """Destroy the group on the servers and here; close the HTTP session."""

@@ -215,7 +215,7 @@ async def test_strict_validation_names_the_field(server):
         ('{"input_ids": [5], "stream": "yes"}', "'stream'"),
         ('{"input_ids": [5], "return_logprob": [true]}', "'return_logprob'"),
         ('{"input_ids": [5], "rid": 7}', "'rid'"),
-        ('{"input_ids": [5], "lora_path": "adapter"}', "lora_path"),
+        ('{"input_ids": [5], "lora_path": "adapter"}', "LoRA adapter 'adapter' was requested, but LoRA is not enabled"),
         ('{"text": ""}', "'text' is empty"),
     ]
     for body, needle in native:

@@ -30,6 +30,7 @@ from areal_like.api.config import TrainConfig
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import synthetic_groups
 from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
+from areal_like.learner.lora import LoraSettings
 from areal_like.learner.trainer import Trainer
 from areal_like.weights.source import plan_buckets
 
@@ -49,6 +50,12 @@ LAYOUTS = {2: ["d2-none", "d2-full", "d2-grad_op", "d2-offload", "p2", "p2-gpipe
 EXT_CFG = dict(CFG, ppo_minibatches=2)
 EXT_ALG = AlgorithmConfig(adv_estimator="gae", use_kl_loss=True, kl_loss_coef=0.1, lam=0.95)
 EXT_KEYS = ("loss", "grad_norm", "kl_ref", "value_loss", "clipfrac", "optimizer_steps", "adv_abs_mean")
+# LoRA (model.lora_rank): peft's adapters put in before the parallel strategies; a KL loss to the base
+# (the adapter disabled: no reference model) and two minibatches, so the second one runs with B ≠ 0
+LORA_LAYOUTS = ["d2-none", "d2-full", "p2", "t2", "d2p2-full", "d2t2-full", "p2t2"]
+LORA = LoraSettings(4, 8.0, "all-linear")
+LORA_ALG = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
+LORA_KEYS = ("loss", "grad_norm", "kl_ref", "clipfrac", "optimizer_steps")
 
 
 def _free_port() -> int:
@@ -112,6 +119,21 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                 with open(os.path.join(out_dir, f"{name}.ext.json"), "w") as f:
                     json.dump({k: st[k] for k in EXT_KEYS}, f)
             del ext
+            if name not in LORA_LAYOUTS:
+                continue
+            lo = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched, collective_timeout_s=120,
+                                                logits_chunk_tokens=5, dp_sharding=sharding), layout,
+                         temperature=TEMP, algorithm=LORA_ALG, gradient_checkpointing=True, lora=LORA)
+            assert lo.ref is None and lo.ref_is_base  # no reference model built
+            st = lo.train_step(groups, version=0)
+            adapter = _read_as_a_push_does(lo)
+            base = [(n, t) for n, t in lo.full_state() if "lora_" not in n]
+            if rank == 0:
+                save_file({n: t.contiguous() for n, t in adapter}, os.path.join(out_dir, f"{name}.lora.safetensors"))
+                save_file({n: t.contiguous() for n, t in base}, os.path.join(out_dir, f"{name}.lora_base.safetensors"))
+                with open(os.path.join(out_dir, f"{name}.lora.json"), "w") as f:
+                    json.dump({k: st[k] for k in LORA_KEYS}, f)
+            del lo
     finally:
         dist.destroy_process_group()
 
@@ -235,3 +257,40 @@ def test_critic_reference_and_minibatches_match_single_process(layout, ext_refer
         assert set(got) == set(ref)
         for n in ref:
             torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{fname} {n}: {m}")
+
+
+@pytest.fixture(scope="module")
+def lora_reference(model_dir):
+    """The LoRA config by the Trainer in one process: stats and the adapter after the step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ln = Trainer(model_dir, TrainConfig(**EXT_CFG, logits_chunk_tokens=0), None, temperature=TEMP,
+                     algorithm=LORA_ALG, lora=LORA)
+        st = ln.train_step(synthetic_groups(7), version=0)
+        return st, dict(ln.full_state())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_matches_single_process(layout, lora_reference, parallel_runs, model_dir):
+    """The adapter a push reads (its tensors alone), the loss, the KL to the base and the gradient
+    norm equal the one-process LoRA learner's; the base weights stay the checkpoint's."""
+    ref_st, ref_state = lora_reference
+    assert ref_st["optimizer_steps"] == 2 and ref_st["kl_ref"] > 0
+    with open(os.path.join(parallel_runs, f"{layout}.lora.json")) as f:
+        st = json.load(f)
+    for k in LORA_KEYS:
+        assert st[k] == pytest.approx(ref_st[k], abs=1e-5, rel=1e-5), k
+    adapter = load_file(os.path.join(parallel_runs, f"{layout}.lora.safetensors"))
+    ref_adapter = {n: t for n, t in ref_state.items() if "lora_" in n}
+    assert set(adapter) == set(ref_adapter) and len(adapter) == 4 * 7 * 2  # 4 layers × 7 linears × (A, B)
+    for n, t in ref_adapter.items():
+        torch.testing.assert_close(adapter[n], t, atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"adapter {n}: {m}")
+    assert any(t.abs().max() > 0 for n, t in adapter.items() if ".lora_B." in n)  # trained away from B = 0
+    base = load_file(os.path.join(parallel_runs, f"{layout}.lora_base.safetensors"))
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert set(base) == set(original)
+    for n, t in original.items():
+        assert torch.equal(base[n], t), f"base weight {n} changed"

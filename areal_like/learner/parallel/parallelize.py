@@ -177,12 +177,15 @@ def apply_tensor_parallel(stage_module: PipelineStageModule, layout: ParallelLay
         return
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from areal_like.learner.lora import tensor_parallel_plan
+
     check_tensor_parallel(stage_module.hf.config, layout.tp)
-    plan = {name: ColwiseParallel() for name in _TP_PLAN_COLWISE}
-    plan.update({name: RowwiseParallel() for name in _TP_PLAN_ROWWISE})
     tp_mesh = layout.submesh("tp")
     for i in stage_module.layer_ids:
-        parallelize_module(stage_module.hf.model.layers[i], tp_mesh, plan)
+        layer = stage_module.hf.model.layers[i]
+        # a projection with a LoRA adapter splits its base and one adapter matrix (learner/lora.py)
+        plan = tensor_parallel_plan([n for n, _ in layer.named_modules()], _TP_PLAN_COLWISE, _TP_PLAN_ROWWISE)
+        parallelize_module(layer, tp_mesh, plan)
 
 
 # ---- 4. data parallel ---------------------------------------------------------------------------

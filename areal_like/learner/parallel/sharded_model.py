@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from areal_like.learner.lora import canonical_name, is_lora_name
 from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.parallelize import (
     DataParallelReducer,
@@ -54,8 +55,8 @@ def full_meta_of(hf_model: nn.Module, pp: int) -> FullMeta:
     """Names, shapes, dtypes and pipeline stages of every parameter and persistent buffer of the
     whole (unsplit) model, in `named_parameters` order then buffers — what the push sends."""
     persistent = set(hf_model.state_dict().keys())
-    full = [(n, p) for n, p in hf_model.named_parameters()]
-    full += [(n, b) for n, b in hf_model.named_buffers() if n in persistent]
+    full = [(canonical_name(n), p) for n, p in hf_model.named_parameters()]
+    full += [(canonical_name(n), b) for n, b in hf_model.named_buffers() if n in persistent]
     layers = hf_model.config.num_hidden_layers
 
     def stage_of(name: str) -> int:
@@ -152,9 +153,9 @@ class ShardedModel:
         self.stage_module.return_hidden = out_dim is None
         self.head = stage_module.hf.lm_head if layout.is_last_stage else None
         persistent = {n for n, *_ in full_meta}
-        self.local = [(n.removeprefix("hf."), p) for n, p in stage_module.named_parameters()]
-        self.local += [(n.removeprefix("hf."), b) for n, b in stage_module.named_buffers()
-                       if n.removeprefix("hf.") in persistent]
+        self.local = [(canonical_name(n.removeprefix("hf.")), p) for n, p in stage_module.named_parameters()]
+        self.local += [(canonical_name(n.removeprefix("hf.")), b) for n, b in stage_module.named_buffers()
+                       if canonical_name(n.removeprefix("hf.")) in persistent]
         self.optimizer = None
         self.reducer: DataParallelReducer | None = None
         self.params: list[nn.Parameter] = []
@@ -363,9 +364,10 @@ class ShardedModel:
         for tests and small models; pushes, exports and checkpoints stream `weights()`. Collective."""
         local = self.state_tensors() if local is None else local
         out = []
+        trainable = self.lora
         for i, (name, *_) in enumerate(self.state_meta):
-            if params_only and name not in self.param_names:
-                continue
+            if params_only and (name not in self.param_names or (trainable and not is_lora_name(name))):
+                continue  # (gradients: a LoRA model's frozen base has none)
             t = self.gather_one(i, local)
             if t is not None:
                 out.append((name, t))
@@ -377,13 +379,24 @@ class ShardedModel:
 
         return self.layout.pp > 1 or any(isinstance(t, DTensor) for _, t in self.local)
 
-    def weights(self, announce: Callable[[str], None] | None = None) -> GatheredWeights:
-        """A `WeightSource` of the full state (`weights.source`): what a push or an export reads."""
-        return GatheredWeights(self, announce)
+    def weights(self, announce: Callable[[str], None] | None = None, *, adapter: bool = False) -> GatheredWeights:
+        """A `WeightSource` of the full state (`weights.source`): what a push or an export reads.
+        `adapter`: the LoRA adapter's tensors only (`model.lora_rank` > 0)."""
+        return GatheredWeights(self, announce, only=self.adapter_indices() if adapter else None)
 
-    def load_full(self, full: Mapping[str, torch.Tensor], where: str) -> None:
-        """Copy full (unsharded) tensors into this rank's shard of every local tensor (and the master)."""
-        load_full_into(self.local, full, where, tied=self.tied, masters=self.master_by_name)
+    @property
+    def lora(self) -> bool:
+        """Whether this model carries a LoRA adapter (its only trainable tensors)."""
+        return any(is_lora_name(n) for n, *_ in self.full_meta)
+
+    def adapter_indices(self) -> list[int]:
+        return [i for i, (n, *_) in enumerate(self.state_meta) if is_lora_name(n)]
+
+    def load_full(self, full: Mapping[str, torch.Tensor], where: str, *, adapter: bool = False) -> None:
+        """Copy full (unsharded) tensors into this rank's shard of every local tensor (and the master);
+        `adapter`: the LoRA adapter's tensors only (a LoRA checkpoint holds no base)."""
+        local = [(n, t) for n, t in self.local if is_lora_name(n)] if adapter else self.local
+        load_full_into(local, full, where, tied=self.tied, masters=self.master_by_name)
 
     # ---- optimizer state by name (sharded checkpoints: torch.distributed.checkpoint) ------------------
     _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -447,19 +460,24 @@ class GatheredWeights:
     without announcements, its tensors dropped) from their `leader_ready` wait. Either way rank 0
     holds one full tensor at a time beyond its shard."""
 
-    def __init__(self, model: ShardedModel, announce: Callable[[str], None] | None = None) -> None:
+    def __init__(self, model: ShardedModel, announce: Callable[[str], None] | None = None,
+                 only: list[int] | None = None) -> None:
         self.model = model
         self.announce = announce
-        self.meta = [(n, shape, dt) for n, shape, dt, _ in model.state_meta]
+        # `only`: a subset of the state (indices of `state_meta`, e.g. a LoRA adapter's); `open` takes
+        # indices into it, announced to the followers as state indices
+        self.index = list(range(len(model.state_meta))) if only is None else list(only)
+        self.meta = [model.state_meta[i][:3] for i in self.index]
         self.device = model.device
         self.gathers = model.needs_gather()
 
     def open(self, indices: Sequence[int]) -> Iterator[tuple[str, torch.Tensor | None]]:
         m = self.model
+        indices = [self.index[i] for i in indices]
         if self.gathers and self.announce is not None:
             self.announce(f"gather {m.role} {','.join(map(str, indices))}")
         if m.device.type == "cuda":
             torch.cuda.set_device(m.device)  # a push fills its buckets on a worker thread
         local = m.state_tensors()
         for i in indices:
-            yield self.meta[i][0], m.gather_one(i, local)
+            yield m.state_meta[i][0], m.gather_one(i, local)

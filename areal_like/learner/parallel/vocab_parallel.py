@@ -254,6 +254,7 @@ def apply_vocab_parallel(stage, mesh, *, dtype: torch.dtype) -> set[nn.Parameter
     if emb is not None:
         vp = VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, mesh, padding_idx=emb.padding_idx,
                                     dtype=dtype, param_dtype=emb.weight.dtype, device=emb.weight.device)
+        vp.weight.requires_grad_(emb.weight.requires_grad)  # frozen under LoRA
         inner.embed_tokens = vp
         new.add(vp.weight)
     if head is not None and isinstance(head, nn.Linear) and head.out_features == cfg.vocab_size and head.bias is None:
@@ -262,6 +263,7 @@ def apply_vocab_parallel(stage, mesh, *, dtype: torch.dtype) -> set[nn.Parameter
         else:
             weight, start, end = _row_shard(head.out_features, head.in_features, mesh, dtype=head.weight.dtype,
                                             device=head.weight.device)
+            weight.requires_grad_(head.weight.requires_grad)
             new.add(weight)
         hf.lm_head = VocabParallelHead(weight, start, end, mesh.get_group(), dtype)
     return new

@@ -1,0 +1,260 @@
+"""LoRA on the learner's actor (`model.lora_rank` > 0): peft's LoRA layers, put in by the model
+builder's convert step, so every parallel strategy after it (pipeline split, TP, activation
+checkpointing, FSDP2) applies to the adapted model.
+
+    convert      `lora_converter`: peft's `inject_adapter_in_model` on the meta-device model — each
+                 targeted `nn.Linear` becomes a `lora.Linear` holding the frozen `base_layer` and
+                 the adapter `lora_A` [r, in], `lora_B` [out, r] (requires_grad: the only trainable
+                 parameters). No LoRA math is written here: peft's forward adds
+                 lora_B(lora_A(dropout(x))) · alpha/r to the base output.
+    names        peft's module names (`q_proj.base_layer.weight`, `q_proj.lora_A.default.weight`)
+                 are not what checkpoints hold: `canonical_name` drops `.base_layer` and the adapter
+                 name `.default`, so the base reads its HF checkpoint names and the adapter is
+                 `….q_proj.lora_A.weight` — peft's saved names less its `base_model.model.` prefix
+                 (`weights/adapter.py` writes and reads the adapter directory).
+    values       `ModelFiles`: the base from `model.path`'s safetensors, the adapter from
+                 `model.lora_path` or a fresh init — lora_A Kaiming-uniform (peft's init) from a
+                 generator seeded by `train.seed` and the tensor's name, lora_B zeros — made as a
+                 full tensor and then sharded like any checkpoint tensor, so every layout (and the
+                 one-process learner) starts from the same adapter.
+    TP           `tensor_parallel_plan`: the base of a column-parallel projection and its lora_B
+                 column-parallel (lora_A replicated: its input is); the base of a row-parallel one
+                 and its lora_A row-parallel (lora_B replicated: its input is the reduced A·x).
+    reference    `adapters_disabled`: the base model itself (peft's `enable_adapters(False)`) —
+                 with LoRA and a KL term the trainer builds no reference copy.
+    dropout      `dropout_active`: peft's `lora_dropout` modules train only inside the learner's
+                 differentiated forward (the model is otherwise in eval mode: no dropout).
+
+What this module does not do: no optimizer (ShardedModel holds the adapter's), no transport.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+ADAPTER = "default"  # peft's adapter name inside the learner's model (one adapter)
+LORA_MARKERS = (".lora_A.", ".lora_B.")
+
+
+class LoraSettings:
+    """`model.lora_*` checked: rank, alpha, target modules, dropout, an adapter to start from."""
+
+    def __init__(self, rank: int, alpha: float, target_modules: str | list[str], dropout: float = 0.0,
+                 path: str | None = None) -> None:
+        from areal_like.api.config import check_lora_numbers, lora_target_modules
+
+        if rank < 1:
+            raise ValueError(f"model.lora_rank={rank}: LoRA needs a rank ≥ 1 (e.g. 8), or 0 for full fine-tuning")
+        check_lora_numbers(alpha, dropout)
+        modules = lora_target_modules(target_modules)
+        self.rank = int(rank)
+        self.alpha = float(alpha)
+        self.target_modules = modules
+        self.dropout = float(dropout)
+        self.path = path
+
+    @classmethod
+    def from_model_config(cls, model_cfg) -> "LoraSettings | None":
+        """None when `model.lora_rank` is 0 (full fine-tuning)."""
+        if model_cfg.lora_rank == 0:
+            return None
+        return cls(model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules, model_cfg.lora_dropout,
+                   model_cfg.lora_path)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        # explicit names (not "all-linear", which peft resolves against a PreTrainedModel's own
+        # output layer): the same list reaches the servers' adapter config
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.target_modules),
+                          lora_dropout=self.dropout, bias="none", task_type="CAUSAL_LM")
+
+
+def is_lora_name(name: str) -> bool:
+    return any(m in name for m in LORA_MARKERS)
+
+
+def canonical_name(name: str) -> str:
+    """The name checkpoints know a parameter by: peft's `.base_layer` and adapter name dropped
+    (`…q_proj.base_layer.weight` → `…q_proj.weight`, `…q_proj.lora_A.default.weight` → `…q_proj.lora_A.weight`)."""
+    name = name.replace(".base_layer.", ".")
+    for m in LORA_MARKERS:
+        name = name.replace(f"{m}{ADAPTER}.", m)
+    return name
+
+
+def lora_converter(settings: LoraSettings, *, adapter_dtype: torch.dtype):
+    """The convert step (`learner.model.build_model(converters=…)`): peft's LoRA layers on the
+    meta-device model, the adapter's parameters in `adapter_dtype` (the master dtype where FSDP's
+    shards are the master), everything else frozen."""
+    def convert(hf_model: nn.Module) -> nn.Module:
+        from peft import inject_adapter_in_model
+
+        from areal_like.learner.model import _parameters_on_meta
+
+        with _parameters_on_meta():
+            hf_model = inject_adapter_in_model(settings.peft_config(), hf_model, adapter_name=ADAPTER)
+        found = [n for n, _ in hf_model.named_parameters() if is_lora_name(n)]
+        if not found:
+            raise ValueError(f"model.target_modules={list(settings.target_modules)} matched no linear layer of "
+                             f"{type(hf_model).__name__}")
+        for layer in _lora_layers(hf_model):  # peft keeps adapters in fp32 under a 16-bit base: set it
+            for linear in (*layer.lora_A.values(), *layer.lora_B.values()):
+                w = linear.weight
+                if w.dtype != adapter_dtype:
+                    linear.weight = nn.Parameter(w.to(adapter_dtype), requires_grad=True)
+        hf_model._areal_lora = settings  # type: ignore[attr-defined]
+        return hf_model
+
+    return convert
+
+
+def settings_of(hf_model: nn.Module) -> LoraSettings | None:
+    return getattr(hf_model, "_areal_lora", None)
+
+
+def init_adapter_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A fresh adapter tensor, the same for every layout: lora_A as peft initialises it (Kaiming
+    uniform, a = √5: U(−1/√in, 1/√in)) from a generator seeded by `seed` and the name; lora_B zeros
+    (so a fresh adapter leaves the base model's outputs unchanged)."""
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=√5) on a Linear [r, in]
+    return torch.empty(shape).uniform_(-bound, bound, generator=g)
+
+
+class ModelFiles(Mapping):
+    """The full tensors a LoRA model is materialized from, by canonical name: the base's from its
+    safetensors (`weights.disk.SafetensorsDir`, read one at a time), the adapter's from
+    `model.lora_path`'s adapter file, or fresh (`init_adapter_tensor`)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], *, seed: int,
+                 adapter: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.base = base
+        self.shapes = dict(shapes)  # adapter tensor name → shape
+        self.seed = seed
+        self.adapter = adapter
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes or name in self.base
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.shapes:
+            if self.adapter is not None:
+                return self.adapter[name]
+            return init_adapter_tensor(name, self.shapes[name], self.seed)
+        return self.base[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.shapes
+        yield from self.base.keys()  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.shapes) + len(list(self.base.keys()))  # type: ignore[attr-defined]
+
+
+def tensor_parallel_plan(module_names: list[str], colwise: tuple[str, ...], rowwise: tuple[str, ...]) -> dict:
+    """Megatron's split for a decoder layer whose projections may carry a peft LoRA: returns
+    {submodule name: ColwiseParallel | RowwiseParallel}. A plain projection is split as usual; a
+    LoRA'd column-parallel one splits its base and lora_B by output rows (lora_A sees the replicated
+    input, its output is replicated); a LoRA'd row-parallel one splits its base and lora_A by input
+    columns (A·x is summed over tp like the base's output; lora_B runs replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    present = set(module_names)
+    plan: dict = {}
+    for name in colwise:
+        if f"{name}.base_layer" in present:
+            plan[f"{name}.base_layer"] = ColwiseParallel()
+            plan[f"{name}.lora_B.{ADAPTER}"] = ColwiseParallel()
+        else:
+            plan[name] = ColwiseParallel()
+    for name in rowwise:
+        if f"{name}.base_layer" in present:
+            plan[f"{name}.base_layer"] = RowwiseParallel()
+            plan[f"{name}.lora_A.{ADAPTER}"] = RowwiseParallel()
+        else:
+            plan[name] = RowwiseParallel()
+    return plan
+
+
+def _lora_layers(module: nn.Module) -> list[nn.Module]:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module):
+    """The base model: every LoRA layer of `module` skips its adapter (peft's `enable_adapters(False)`)."""
+    layers = _lora_layers(module)
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+@contextlib.contextmanager
+def dropout_active(module: nn.Module, p: float):
+    """peft's `lora_dropout` modules in train mode (the rest of the model stays in eval mode)."""
+    if p <= 0:
+        yield
+        return
+    drops = [d for m in _lora_layers(module) for d in m.lora_dropout.values()]
+    for d in drops:
+        d.train()
+    try:
+        yield
+    finally:
+        for d in drops:
+            d.eval()
+
+
+class MergedWeights:
+    """A `WeightSource` of the model with its adapter merged in — every base tensor by its HF name,
+    a LoRA'd projection's weight as W + (alpha/r)·B·A (peft's merge), no adapter tensors: what
+    `train.export_merged` writes, loadable as a plain HF model. Collective like `GatheredWeights`
+    (every rank iterates the same `open`; rank 0 gets the tensors)."""
+
+    def __init__(self, model, scaling: float) -> None:
+        self.model = model
+        self.scaling = scaling
+        names = {n: i for i, (n, *_) in enumerate(model.state_meta)}
+        self.base = [i for i, (n, *_) in enumerate(model.state_meta) if not is_lora_name(n)]
+        self.parts: dict[int, tuple[int, int]] = {}  # base weight index → (lora_A, lora_B) indices
+        for i in self.base:
+            n = model.state_meta[i][0]
+            if n.endswith(".weight"):
+                stem = n.removesuffix(".weight")
+                a, b = names.get(f"{stem}.lora_A.weight"), names.get(f"{stem}.lora_B.weight")
+                if a is not None and b is not None:
+                    self.parts[i] = (a, b)
+        self.meta = [model.state_meta[i][:3] for i in self.base]
+        self.device = model.device
+        self.gathers = model.needs_gather()
+
+    def open(self, indices):
+        src = self.model.weights()
+        for k in indices:
+            i = self.base[k]
+            name, w = next(src.open([i]))
+            if i in self.parts:
+                (_, a), (_, b) = list(src.open(list(self.parts[i])))
+                if w is not None:
+                    w = (w.float() + self.scaling * (b.float() @ a.float())).to(w.dtype)
+                del a, b
+            yield name, w

@@ -1,0 +1,82 @@
+"""LoRA through `launcher run` (`model.lora_rank=8`): the demo learns with pushes of the adapter alone
+(the broadcast transport; disk in a shorter run), the servers serve it under one name that every
+request names, checkpoints hold the adapter, `train.export_hf` a peft adapter, `train.export_merged`
+the merged model, and a resumed run continues from the adapter checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from allocation.memory import LORA_LINEARS, ModelShape
+
+pytestmark = pytest.mark.integration
+
+# The demo model is a random tiny one: its frozen random LM head caps how confident an adapter on the
+# decoder layers alone can make it (p ≤ ~0.04 per token), so the demo's adapter includes lm_head
+# (README, "LoRA"); real checkpoints do not need it.
+TARGETS = [*LORA_LINEARS, "lm_head"]
+LORA = ["model.lora_rank=8", f"model.target_modules=[{','.join(TARGETS)}]", "train.lr=2e-3"]
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _adapter_bytes(model_dir: str) -> tuple[int, int]:
+    """(adapter bytes, whole model bytes) in fp32 (server.dtype of the demo) of the demo model."""
+    shape = ModelShape.load(model_dir)
+    adapter = shape.layers * shape.lora_layer_params(8, tuple(LORA_LINEARS)) + 8 * (shape.hidden + shape.vocab)
+    return 4 * adapter, 4 * shape.count_params()
+
+
+def test_lora_demo_learns_with_adapter_only_pushes(tmp_path, run_launcher, demo_assets):
+    run_dir = tmp_path / "run"
+    steps = 200
+    rc, out = run_launcher(run_dir, *LORA, f"train.total_steps={steps}", "train.save_freq=100", "train.export_hf=true",
+                           "train.export_merged=true", "train.test_freq=100", timeout=600)
+    assert rc == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["reward_last"] >= 0.8, summary
+    assert summary["buffer"]["workflow_failures"]["generation"] == 0, summary  # no request before the adapter
+    adapter, whole = _adapter_bytes(demo_assets[0])
+    rows = _rows(run_dir)
+    assert len(rows) == steps and all(r["push_bytes"] == adapter for r in rows), rows[0]
+    assert adapter < whole / 4
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "LoRA: rank 8" in learner_log
+    server_log = (run_dir / "logs" / "server0.log").read_text()
+    assert server_log.count("loaded LoRA adapter policy") == steps + 1  # version 0 at start, then each step
+    ck = run_dir / "checkpoints" / f"step_{steps:08d}"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(ck))
+    assert not (ck / "model.safetensors").exists()
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(demo_assets[0], dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, str(ck / "hf")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(ck / "hf_merged"), dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_disk_sync_and_resume(tmp_path, run_launcher):
+    """weights.mode=disk: the adapter dir of each version loaded with /load_lora_adapter; then the run
+    resumes from its adapter checkpoint and continues."""
+    run_dir = tmp_path / "run"
+    common = [*LORA, "weights.mode=disk", "train.save_freq=3", "train.test_freq=0"]
+    rc, out = run_launcher(run_dir, *common, "train.total_steps=3")
+    assert rc == 0, out[-4000:]
+    rc, out = run_launcher(run_dir, *common, "train.total_steps=5")
+    assert rc == 0, out[-4000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert len({r["push_bytes"] for r in rows}) == 1
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "resumed from step 3" in learner_log
+    server_log = (run_dir / "logs" / "server0.log").read_text()
+    assert "loaded LoRA adapter policy from" in server_log and "/weights_disk/v00000005" in server_log
