@@ -174,18 +174,13 @@ def tensor_parallel_plan(module_names: list[str], colwise: tuple[str, ...], roww
 
     present = set(module_names)
     plan: dict = {}
-    for name in colwise:
-        if f"{name}.base_layer" in present:
-            plan[f"{name}.base_layer"] = ColwiseParallel()
-            plan[f"{name}.lora_B.{ADAPTER}"] = ColwiseParallel()
-        else:
-            plan[name] = ColwiseParallel()
-    for name in rowwise:
-        if f"{name}.base_layer" in present:
-            plan[f"{name}.base_layer"] = RowwiseParallel()
-            plan[f"{name}.lora_A.{ADAPTER}"] = RowwiseParallel()
-        else:
-            plan[name] = RowwiseParallel()
+    for names, style, split in ((colwise, ColwiseParallel, "lora_B"), (rowwise, RowwiseParallel, "lora_A")):
+        for name in names:
+            if f"{name}.base_layer" in present:
+                plan[f"{name}.base_layer"] = style()
+                plan[f"{name}.{split}.{ADAPTER}"] = style()
+            else:
+                plan[name] = style()
     return plan
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,21 +95,6 @@ def write_adapter_dir(weights: WeightSource | Sequence[tuple[str, torch.Tensor]]
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def write_adapter_version(weights, out_dir: str, config: dict[str, Any], *, dtype: torch.dtype | None = None) -> int:
-    """`write_adapter_dir` atomically (tmp dir renamed into place; an existing `out_dir` replaced)."""
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        n = write_adapter_dir(weights, tmp, config, dtype=dtype)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return n
 
 
 def read_adapter_config(path: str, where: str) -> dict[str, Any]:

@@ -26,13 +26,13 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from areal_like import metrics
-from areal_like.weights.adapter import ADAPTER_NAME, is_adapter, write_adapter_version
+from areal_like.weights.adapter import ADAPTER_NAME, is_adapter, write_adapter_dir
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import parse_dtype
 from areal_like.weights.source import WeightSource, as_source, plan_buckets, wire_dtype_of
@@ -156,32 +156,43 @@ def write_safetensors_shards(weights: WeightSource | Sequence[tuple[str, torch.T
     return nbytes
 
 
-def write_hf_checkpoint(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str,
-                        model_path: str | None, dtype: torch.dtype | None = None,
-                        shard_bytes: int = 512 << 20) -> int:
-    """Write `out_dir` atomically (a tmp dir renamed into place): the weights as safetensors shards
-    (`write_safetensors_shards`: floating-point ones cast to `dtype`, None = as they are) plus every
-    non-weight file of `model_path` (config.json, tokenizer files). Returns bytes. A gathering
-    source: every rank of the pool calls `write_safetensors_shards` alongside (rank 0 calls this)."""
+def write_dir_atomically(out_dir: str, write: Callable[[str], int]) -> int:
+    """`write(tmp)` fills a tmp dir beside `out_dir`, which is then renamed into place (an existing
+    `out_dir` — the same version written again by a restarted learner — replaced); the tmp dir is
+    removed on failure. Returns what `write` returns (bytes)."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        nbytes = write_safetensors_shards(weights, tmp, dtype=dtype, shard_bytes=shard_bytes)
-        if model_path:
-            for fname in os.listdir(model_path):
-                src = os.path.join(model_path, fname)
-                if os.path.isfile(src) and not _WEIGHT_FILE.match(fname):
-                    shutil.copy2(src, os.path.join(tmp, fname))
-        if os.path.exists(out_dir):  # the same version written again (a restarted learner): replace it
+        nbytes = write(tmp)
+        if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return nbytes
+
+
+def write_hf_checkpoint(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str,
+                        model_path: str | None, dtype: torch.dtype | None = None,
+                        shard_bytes: int = 512 << 20) -> int:
+    """Write `out_dir` atomically (`write_dir_atomically`): the weights as safetensors shards
+    (`write_safetensors_shards`: floating-point ones cast to `dtype`, None = as they are) plus every
+    non-weight file of `model_path` (config.json, tokenizer files). Returns bytes. A gathering
+    source: every rank of the pool calls `write_safetensors_shards` alongside (rank 0 calls this)."""
+    def write(tmp: str) -> int:
+        nbytes = write_safetensors_shards(weights, tmp, dtype=dtype, shard_bytes=shard_bytes)
+        if model_path:
+            for fname in os.listdir(model_path):
+                src = os.path.join(model_path, fname)
+                if os.path.isfile(src) and not _WEIGHT_FILE.match(fname):
+                    shutil.copy2(src, os.path.join(tmp, fname))
+        return nbytes
+
+    return write_dir_atomically(out_dir, write)
 
 
 class DiskWeightPusher(ServerAdmin):
@@ -199,6 +210,7 @@ class DiskWeightPusher(ServerAdmin):
         self.model_path = model_path
         self.keep = keep
         self.shard_bytes = shard_bytes  # safetensors file size (`weights.bucket_mb`): what one write holds
+        self.last_adapter: str | None = None  # LoRA: the adapter dir the servers loaded last
 
     # ---------------------------------------------------------------- API
     async def init(self) -> None:
@@ -210,34 +222,44 @@ class DiskWeightPusher(ServerAdmin):
         return os.path.join(self.out_dir, f"v{version:08d}")
 
     async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
-                     paused: bool = False) -> dict[str, float]:
+                     paused: bool = False) -> dict[str, Any]:
         """Write → pause → every server loads it → continue. Sets every server's weight_version to str(version).
         `paused=True`: the caller paused the servers and continues them (no pause, flush or continue here).
-        `weights`: a `WeightSource` (streamed shard by shard) or a list of (name, tensor).
+        `weights`: a `WeightSource` (streamed shard by shard) or a list of (name, tensor); a LoRA
+        learner's adapter (`weights.adapter.AdapterWeights`) is written as a peft dir and swapped in as
+        the servers' run adapter (`_swap_adapter`).
 
         On a failed load the servers keep (roll back to) their old weights; generation is continued
         and WeightPushError names the server."""
         if self._session is None:
             raise WeightPushError("update() before init(): call init() first")
-        if is_adapter(weights):
-            return await self._update_adapter(weights, version, paused=paused)
+        adapter = is_adapter(weights)
         t0 = time.perf_counter()
         path = self.version_dir(version)
         # Written before the pause: generation does not wait for the disk.
-        nbytes = await asyncio.to_thread(write_hf_checkpoint, weights, path, self.model_path, self.dtype,
-                                         self.shard_bytes)
+        if adapter:
+            nbytes = await asyncio.to_thread(write_dir_atomically, path, lambda tmp: write_adapter_dir(
+                weights, tmp, weights.adapter_config, dtype=self.dtype))
+        else:
+            nbytes = await asyncio.to_thread(write_hf_checkpoint, weights, path, self.model_path, self.dtype,
+                                             self.shard_bytes)
         t_written = time.perf_counter()
         if not paused:
             await self.pause("abort")
         t_paused = time.perf_counter()
         failure: BaseException | None = None
         try:
-            await self._begin_or_end("/begin_weight_update")
-            # Paused (abort): nothing runs, so flushing the cache is safe on every SGLang release.
-            await self._all("/update_weights_from_disk", {"model_path": path, "load_format": None,
-                                                          "abort_all_requests": False, "flush_cache": not paused,
-                                                          "weight_version": str(version)})
-            await self._begin_or_end("/end_weight_update")
+            if adapter:
+                await asyncio.gather(*(self._swap_adapter(u, path, version) for u in self.server_urls))
+                if not paused:  # the prefix cache holds KV computed with the old adapter
+                    await self._all("/flush_cache", {})
+            else:
+                await self._begin_or_end("/begin_weight_update")
+                # Paused (abort): nothing runs, so flushing the cache is safe on every SGLang release.
+                await self._all("/update_weights_from_disk", {"model_path": path, "load_format": None,
+                                                              "abort_all_requests": False, "flush_cache": not paused,
+                                                              "weight_version": str(version)})
+                await self._begin_or_end("/end_weight_update")
         except BaseException as e:
             failure = e
         finally:
@@ -246,57 +268,31 @@ class DiskWeightPusher(ServerAdmin):
                 await self.resume()
         if failure is not None:
             raise failure
+        if adapter:
+            self.last_adapter = path
         t_end = time.perf_counter()
         await asyncio.to_thread(self._prune, path)
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "write_s": t_written - t0,
-                "bytes": nbytes, "buckets": 1, "path": path}
-
-    async def _update_adapter(self, weights, version: int, *, paused: bool) -> dict[str, Any]:
-        """A LoRA learner's push (`weights.adapter.AdapterWeights`): the adapter written as a peft dir
-        (`<out_dir>/v<version>/`), then, paused: every server unloads the run's adapter
-        (`ADAPTER_NAME`; absent on a fresh or restarted server) and loads the new dir under that name
-        (SGLang's /load_lora_adapter), and takes `version` as its weight version. A server that fails
-        to load gets the previous version's dir back (best effort) before the error is raised."""
-        t0 = time.perf_counter()
-        path = self.version_dir(version)
-        nbytes = await asyncio.to_thread(write_adapter_version, weights, path, weights.adapter_config, dtype=self.dtype)
-        t_written = time.perf_counter()
-        if not paused:
-            await self.pause("abort")
-        t_paused = time.perf_counter()
-        failure: BaseException | None = None
-        try:
-            await asyncio.gather(*(self._swap_adapter(u, path, version) for u in self.server_urls))
-        except BaseException as e:
-            failure = e
-        finally:
-            if not paused:
-                if failure is None:  # the prefix cache holds KV computed with the old adapter
-                    await self._all("/flush_cache", {})
-                await self.resume()
-        if failure is not None:
-            raise failure
-        self.last_adapter = path
-        t_end = time.perf_counter()
-        await asyncio.to_thread(self._prune, path)
-        metrics.PUSH_SECONDS.observe(t_end - t0)
-        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "write_s": t_written - t0,
-                "bytes": nbytes, "buckets": 1, "path": path, "adapter": True}
+                "bytes": nbytes, "buckets": 1, "path": path, "adapter": adapter}
 
     async def _swap_adapter(self, url: str, path: str, version: int) -> None:
+        """One server's LoRA push, paused: unload the run's adapter (`ADAPTER_NAME`; a fresh or
+        restarted server has none), load `path` under that name (SGLang's /load_lora_adapter), take
+        `version` as the weight version. A failed load gets the previous version's dir back (best
+        effort) before the error is raised, so the name is never left empty."""
         try:
             await self._post(url, "/unload_lora_adapter", {"lora_name": ADAPTER_NAME})
         except WeightPushError as e:
-            if "does not exist" not in str(e):  # a fresh or restarted server has none
+            if "does not exist" not in str(e):
                 raise
         try:
             await self._post(url, "/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": path})
         except WeightPushError:
-            previous = getattr(self, "last_adapter", None)
-            if previous and os.path.isdir(previous):
+            if self.last_adapter and os.path.isdir(self.last_adapter):
                 with contextlib.suppress(WeightPushError):
-                    await self._post(url, "/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": previous})
+                    await self._post(url, "/load_lora_adapter", {"lora_name": ADAPTER_NAME,
+                                                                 "lora_path": self.last_adapter})
             raise
         await self._post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
