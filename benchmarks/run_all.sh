@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${1:-$(mktemp -d -t areal_like_bench.XXXXXX)}
 mkdir -p "$OUT"
-SCRIPTS=(buffer_throughput client_overhead engine_vs_hf interrupt_cost learner_overhead weight_push async_vs_sync e2e_vs_minimal_loop colocated)
+SCRIPTS=(buffer_throughput client_overhead engine_vs_hf interrupt_cost learner_overhead weight_push async_vs_sync e2e_vs_minimal_loop colocated lora)
 # Heavy (~35 processes, ~11 GiB): `benchmarks/run_all.sh` runs it only with MISSION=1.
 if [ "${MISSION:-0}" = "1" ]; then SCRIPTS+=(mission_toy_ray); fi
 : > "$OUT/summary.txt"
