@@ -192,15 +192,24 @@ def _lora_layers(module: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def adapters_disabled(module: nn.Module):
-    """The base model: every LoRA layer of `module` skips its adapter (peft's `enable_adapters(False)`)."""
+    """The base model: every LoRA layer of `module` skips its adapter (peft's `enable_adapters(False)`).
+
+    peft's toggle also clears the adapter's `requires_grad`; that flag is put back at once: FSDP2
+    reads it when it first runs a forward (its mixed-precision and reduce dtypes are set for the
+    trainable parameters then), and this pass — the KL reference's — may be that first forward."""
     layers = _lora_layers(module)
+    flags = [(p, p.requires_grad) for m in layers for d in (m.lora_A, m.lora_B) for p in d.parameters()]
     for m in layers:
         m.enable_adapters(False)
+    for p, rg in flags:
+        p.requires_grad_(rg)
     try:
         yield
     finally:
         for m in layers:
             m.enable_adapters(True)
+        for p, rg in flags:
+            p.requires_grad_(rg)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """bf16 compute with an fp32 master (issue 25 item 3) under the sharded layouts: on 4 CPU ranks
 (gloo) the tiny Qwen2 trains with GAE (critic), a KL loss to the reference and two PPO minibatches
 under d2p2 (dp × pipeline) and d2t2 (dp × tensor parallel, DTensor masters), each with replicated dp
-(`train.dp_sharding=none`) and with FSDP2 (`full`). Replicated: on every rank the model parameters are
+(`train.dp_sharding=none`) and with FSDP2 (`full`); and a LoRA actor (`model.lora_rank`) under d2t2 FSDP. Replicated: on every rank the model parameters are
 bf16 and exactly the fp32 master rounded once; FSDP: the stored dp shards are fp32 (the master) and
 the layers compute with bf16 weights (FSDP's mixed-precision all-gather). Either way the optimizer's
 parameters and AdamW moments are fp32; the pushed weights are the fp32 master; a checkpoint round trip restores the
@@ -23,6 +23,7 @@ from areal_like.api.config import AlgorithmConfig, TrainConfig
 from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import synthetic_groups
+from areal_like.learner.lora import LoraSettings
 from areal_like.learner.trainer import Trainer
 
 pytestmark = pytest.mark.integration
@@ -39,6 +40,8 @@ STEPS = 2
 # O(1e-2); measured ≤ 4.3e-5), gradient norms and value losses within 2 % (measured ≤ 0.15 %), and the
 # weights' distance to the fp32 run's within 10 % of how far training moved them (measured 3.1 %).
 LOSS_ABS, NORM_REL, WEIGHT_REL = 1e-3, 2e-2, 0.10
+LORA = LoraSettings(4, 8.0, "all-linear")
+LORA_ALG = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -107,6 +110,22 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                                "dtypes_ok": bool(flags[0]), "restored": bool(flags[1]), "resume_loss_equal": bool(flags[2]),
                                "other_sharding_resumes": bool(flags[3])}, f)
             del ln, resumed
+        # LoRA under FSDP with bf16 compute: the frozen base stored bf16, the adapter's fp32 shards the
+        # master; the KL reference is the base (adapters disabled) and may be FSDP's first forward
+        lo = Trainer(model_dir, TrainConfig(**CFG, dp_sharding="full"), "d2t2", temperature=TEMP, dtype="bfloat16",
+                     algorithm=LORA_ALG, lora=LORA)
+        stats = [lo.train_step(synthetic_groups(20 + s, version=s), version=s) for s in range(STEPS)]
+        ok = all(p.dtype == torch.float32 and p.requires_grad and p.grad is not None and p.grad.dtype == torch.float32
+                 for p in lo.actor.opt_params)
+        ok &= all(t.dtype == torch.bfloat16 for n, t in lo.actor.local if ".lora_" not in n and t.is_floating_point())
+        flag = torch.tensor([float(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        adapter = [(n, t.clone()) for n, t in lo.full_state() if ".lora_" in n]
+        if rank == 0:
+            save_file({n: t.contiguous() for n, t in adapter}, os.path.join(out_dir, "lora.safetensors"))
+            with open(os.path.join(out_dir, "lora.json"), "w") as f:
+                json.dump({"stats": [{k: s[k] for k in ("loss", "grad_norm", "kl_ref")} for s in stats],
+                           "dtypes_ok": bool(flag[0])}, f)
     finally:
         dist.destroy_process_group()
 
@@ -157,3 +176,35 @@ def test_bf16_with_fp32_master_under_sharded_layouts(layout, fp32_reference, bf1
     assert off < WEIGHT_REL * moved, (float(off), float(moved))
     critic = load_file(os.path.join(bf16_runs, f"{layout}.critic.safetensors"))
     assert all(t.dtype == torch.float32 for t in critic.values())
+
+
+@pytest.fixture(scope="module")
+def lora_fp32_reference(model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ln = Trainer(model_dir, TrainConfig(**CFG), None, temperature=TEMP, algorithm=LORA_ALG, lora=LORA)
+        init = {n: t.clone() for n, t in ln.full_state() if ".lora_" in n}
+        stats = [ln.train_step(synthetic_groups(20 + s, version=s), version=s) for s in range(STEPS)]
+        return init, stats, {n: t for n, t in ln.full_state() if ".lora_" in n}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lora_bf16_under_fsdp_with_tp(lora_fp32_reference, bf16_runs):
+    """The adapter trains with an fp32 master and fp32 gradients while the frozen base stays bf16 (FSDP's
+    first forward is the KL reference's, with the adapters disabled), and tracks the fp32 one-process
+    LoRA learner within bf16's tolerance."""
+    init, ref_stats, ref_adapter = lora_fp32_reference
+    with open(os.path.join(bf16_runs, "lora.json")) as f:
+        res = json.load(f)
+    assert res["dtypes_ok"], "adapter: fp32 shards with fp32 gradients; base: bf16, on every rank"
+    for got, want in zip(res["stats"], ref_stats, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], abs=LOSS_ABS)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=NORM_REL)
+        assert got["kl_ref"] == pytest.approx(want["kl_ref"], abs=LOSS_ABS)
+    adapter = load_file(os.path.join(bf16_runs, "lora.safetensors"))
+    assert set(adapter) == set(ref_adapter) and all(t.dtype == torch.float32 for t in adapter.values())
+    moved = sum((ref_adapter[n] - init[n]).norm() ** 2 for n in init) ** 0.5
+    off = sum((adapter[n] - ref_adapter[n]).norm() ** 2 for n in init) ** 0.5
+    assert off < WEIGHT_REL * moved, (float(off), float(moved))
