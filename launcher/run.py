@@ -443,6 +443,8 @@ class Run:
                                        memory_saver=self.alloc.colocated and cfg.colocate.release_memory,
                                        fp32_lm_head=cfg.model.fp32_lm_head,
                                        mem_fraction_static=cfg.server.mem_fraction_static,
+                                       lora_rank=cfg.model.lora_rank, lora_targets=lora_target_modules(
+                                           cfg.model.target_modules) if cfg.model.lora_rank > 0 else (),
                                        # the workflows' limit, also SGLang's (else it takes the model's)
                                        extra_args=["--context-length", str(cfg.resolved_max_context_len())],
                                        # the keys: a 0600 --config file in the 0700 run dir, never argv (issue 24)
@@ -466,6 +468,14 @@ class Run:
         for srv, role in zip(servers, roles):
             # Model load and CUDA-graph capture take minutes on real models.
             _wait_health(srv.url, max(cfg.server.health_timeout_s, 900.0), role, f"sglang server {srv.index}")
+        if cfg.model.lora_rank > 0:
+            # Every request names the run's adapter, which SGLang refuses ("never been loaded") until the
+            # learner's first push loads it, and SGLang has no start-paused flag: pause them now — paused,
+            # SGLang holds new requests before it resolves their adapter; that push continues them.
+            for srv in servers:
+                self._pause_server(srv.url)
+            print(f"[launcher] {len(servers)} SGLang server(s) paused until the learner's first push loads the "
+                  f"LoRA adapter", flush=True)
         return [srv.url for srv in servers]
 
     def _start_servers(self, env, while_loading: Callable[[], None]) -> list[str]:

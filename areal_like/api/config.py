@@ -599,7 +599,10 @@ class WeightSyncConfig(_Section):
     `<run dir>/weights_disk/`, the servers load it with /update_weights_from_disk) or `memory` (co-located
     runs only: rank 0 copies each bucket into shared memory, or for SGLang servers sends CUDA-IPC handles of
     it, and the servers load it with /update_weights_from_tensor). `auto`: `memory` when the allocation is co-located
-    (`embedded:d1|fsdp:d1`), else `distributed`."""
+    (`embedded:d1|fsdp:d1`), else `distributed`. With LoRA (`model.lora_rank` > 0) only the adapter travels:
+    `disk` writes a peft adapter dir the servers load with /load_lora_adapter; `distributed` broadcasts it to
+    embedded servers, and to SGLang servers — which have no NCCL route for adapters — sends it by value in
+    the HTTP body of SGLang's /load_lora_adapter_from_tensors (megabytes; no shared filesystem needed)."""
     bucket_mb: float = 512.0
     """Bucket size of the push, in MiB: `distributed` broadcasts tensors in buckets of at most this,
     `disk` writes safetensors files of at most this. What the sending learner rank holds beyond its
@@ -969,10 +972,6 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"model.target_modules names lm_head, but the learner's LM head is split by vocabulary "
                               f"rows over d{tr.dp} (train.dp_sharding={self.train.dp_sharding}), which an adapter "
                               f"cannot wrap: drop lm_head, or set train.dp_sharding=none")
-        if self.model.lora_rank > 0 and gen is not None and gen.backend == "sglang":
-            raise ConfigError(f"model.lora_rank={self.model.lora_rank} with SGLang servers ({self.allocation!r}): "
-                              f"adapter sync into SGLang (--enable-lora, /load_lora_adapter) is not wired yet — "
-                              f"train LoRA with embedded servers ('embedded:…'), or set model.lora_rank=0")
         if tr is not None and tr.backend == "fsdp" and self.train.dp_sharding == "none":
             raise ConfigError(f"allocation {self.allocation!r} asks for the fsdp training backend but "
                               f"train.dp_sharding=none replicates the model: set train.dp_sharding=full (or "

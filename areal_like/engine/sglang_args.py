@@ -105,6 +105,11 @@ _SECRET_KEYS = {"--api-key": ("api-key", "server.api_key"),
 spelling without ``--``: ``ConfigArgumentMerger`` turns ``key: v`` into ``--key v`` verbatim, so the
 dest spelling (``api_key``) is an unknown flag to 0.5.23's parser (the conformance suite checks this)."""
 
+# Runtime LoRA (`model.lora_rank` > 0): adapters loaded and unloaded through /load_lora_adapter,
+# /load_lora_adapter_from_tensors and /unload_lora_adapter while the server runs.
+LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch",
+              "--max-loaded-loras")
+
 WeightUpdate = Literal["distributed", "disk", "memory"]
 
 
@@ -188,6 +193,8 @@ def build_sglang_servers(
     weight_update: WeightUpdate = "distributed",
     memory_saver: bool = False,
     weight_version: str = "0",
+    lora_rank: int = 0,
+    lora_targets: Sequence[str] = (),
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
     supported_flags: Collection[str] | None = None,
@@ -203,6 +210,10 @@ def build_sglang_servers(
     ``weight_update`` ``memory``: co-located servers, updated through /update_weights_from_tensor (CUDA
     IPC); ``memory_saver``: ``--enable-memory-saver``, so /release_memory_occupation frees GPU memory
     (co-located runs with ``colocate.release_memory``; SGLang needs its ``torch_memory_saver`` package).
+    ``lora_rank`` > 0 (`model.lora_rank`): runtime LoRA — ``--enable-lora --max-lora-rank r
+    --lora-target-modules lora_targets… --max-loras-per-batch 2 --max-loaded-loras 2`` (the run's one
+    adapter, replaced by every push, plus room for the base model's rows); no adapter is loaded at
+    start: the learner's first push loads it.
     ``supported_flags``: the release's flags (`sglang_server_flags`); None = assume a current
     release. ``secrets_file``: where the keys go (required when a key is set): argv gets
     ``--config secrets_file`` and each process's `SGLangProcess.write_secrets` writes the keys there
@@ -258,6 +269,16 @@ def build_sglang_servers(
                     f"this SGLang release has no {flag}: the server would run unauthenticated; "
                     "upgrade sglang or unset the key"
                 )
+    lora: list[str] = []
+    if lora_rank > 0:
+        if not lora_targets:
+            raise SGLangArgsError("lora_rank > 0 needs lora_targets (model.target_modules as module names)")
+        missing = [f for f in LORA_FLAGS if flags is not None and f not in flags]
+        if missing:
+            raise SGLangArgsError(f"model.lora_rank={lora_rank} needs SGLang's runtime LoRA ({', '.join(missing)}), "
+                                  "which this SGLang release lacks: upgrade sglang or set model.lora_rank=0")
+        lora = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules", *lora_targets,
+                "--max-loras-per-batch", "2", "--max-loaded-loras", "2"]
     secrets = {_SECRET_KEYS[f][0]: v for f, v in (("--api-key", api_key), ("--admin-api-key", admin_api_key)) if v}
     if secrets:
         names = " and ".join(_SECRET_KEYS[f][1] for f, v in (("--api-key", api_key), ("--admin-api-key", admin_api_key))
@@ -314,6 +335,7 @@ def build_sglang_servers(
                 raise SGLangArgsError("model.fp32_lm_head=true needs SGLang's --enable-fp32-lm-head, which this "
                                       "SGLang release lacks: upgrade sglang or set model.fp32_lm_head=false")
             common.append("--enable-fp32-lm-head")
+        common += lora
         if secrets:  # the keys themselves go into the 0600 file; argv names only the file
             common += ["--config", secrets_file]
         procs = []

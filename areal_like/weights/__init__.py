@@ -1,10 +1,12 @@
 """Weight sync between the learner and generation servers: a separate process group, bucketed
 broadcast (trainer side: `WeightPusher`; server side: `WeightReceiver`), or HF checkpoint dirs the
 servers load from disk (`DiskWeightPusher`), or shared-memory segments a co-located learner fills
-(`SharedMemoryWeightPusher`), or CUDA-IPC handles to co-located SGLang servers (`CudaIpcWeightPusher`).
+(`SharedMemoryWeightPusher`), or CUDA-IPC handles to co-located SGLang servers (`CudaIpcWeightPusher`), or —
+a LoRA run's adapter to SGLang servers — the adapter by value in the HTTP body (`AdapterTensorPusher`).
 `make_weight_pusher` picks one by `weights.mode`; each is the learner's
 `GenerationControl` handle (control.py)."""
 
+from areal_like.weights.adapter_tensors import AdapterTensorPusher
 from areal_like.weights.control import MEMORY_TAGS, GenerationControl
 from areal_like.weights.disk import DiskWeightPusher
 from areal_like.weights.factory import make_weight_pusher
@@ -14,5 +16,5 @@ from areal_like.weights.receive import WeightReceiver, unflatten_bucket
 from areal_like.weights.ipc import CudaIpcWeightPusher
 from areal_like.weights.shm import SharedMemoryWeightPusher
 
-__all__ = ["MEMORY_TAGS", "CudaIpcWeightPusher", "DiskWeightPusher", "GenerationControl", "SharedMemoryWeightPusher", "WeightGroup", "WeightPushError", "WeightPusher", "WeightReceiver", "flatten_bucket",
+__all__ = ["MEMORY_TAGS", "AdapterTensorPusher", "CudaIpcWeightPusher", "DiskWeightPusher", "GenerationControl", "SharedMemoryWeightPusher", "WeightGroup", "WeightPushError", "WeightPusher", "WeightReceiver", "flatten_bucket",
            "init_weight_group", "make_buckets", "make_weight_pusher", "unflatten_bucket"]

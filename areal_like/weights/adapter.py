@@ -73,6 +73,22 @@ def is_adapter(weights: Any) -> bool:
     return getattr(weights, "adapter_config", None) is not None
 
 
+def adapter_file_tensors(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], *,
+                         dtype: torch.dtype | None = None, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The adapter's tensors by peft's saved names (`file_key`), on the CPU, floating-point ones cast to
+    `dtype` (None = as they are). With a gathering source every rank of the learner pool calls it (the
+    opens are collectives); only the one with `keep` keeps the tensors."""
+    from areal_like.weights.source import wire_dtype_of
+
+    src = as_source(weights)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in src.open(range(len(src.meta))):
+        if t is None or not keep:
+            continue
+        tensors[file_key(name)] = t.detach().to("cpu", dtype=wire_dtype_of(t.dtype, dtype)).contiguous()
+    return tensors
+
+
 def write_adapter_dir(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str,
                       config: dict[str, Any], *, dtype: torch.dtype | None = None, write: bool = True) -> int:
     """`out_dir` as peft writes it: adapter_config.json + adapter_model.safetensors (one file; an
@@ -80,14 +96,7 @@ def write_adapter_dir(weights: WeightSource | Sequence[tuple[str, torch.Tensor]]
     source every rank of the learner pool calls it; only the one with `write` writes. Returns bytes."""
     from safetensors.torch import save_file
 
-    from areal_like.weights.source import wire_dtype_of
-
-    src = as_source(weights)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in src.open(range(len(src.meta))):
-        if t is None or not write:
-            continue
-        tensors[file_key(name)] = t.detach().to("cpu", dtype=wire_dtype_of(t.dtype, dtype)).contiguous()
+    tensors = adapter_file_tensors(weights, dtype=dtype, keep=write)
     if not write:
         return 0
     os.makedirs(out_dir, exist_ok=True)

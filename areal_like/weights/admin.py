@@ -13,6 +13,7 @@ that both pushers' `reform()` starts with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any, Self
 
@@ -148,6 +149,29 @@ class ServerAdmin:
     async def resume_memory(self, tags: list[str] | None = None) -> None:
         """/resume_memory_occupation on every server: allocate what `release_memory` freed (None = all)."""
         await self._all("/resume_memory_occupation", {"tags": tags})
+
+    async def swap_adapter(self, url: str, route: str, body: dict[str, Any], previous: dict[str, Any] | None,
+                           version: int) -> None:
+        """One server's LoRA push, inside the caller's pause: unload the run's adapter (`body["lora_name"]`;
+        a fresh or restarted server has none), POST `route` `body` (SGLang's /load_lora_adapter, or
+        /load_lora_adapter_from_tensors: load it under that name), take `version` as the weight version.
+        A failed load gets `previous` (the last body that loaded) back, best effort, before the error is
+        raised, so the name is never left empty. Paused with `abort`, nothing holds the old adapter:
+        SGLang's unload, which waits for the requests using it, returns at once."""
+        name = body["lora_name"]
+        try:
+            await self._post(url, "/unload_lora_adapter", {"lora_name": name})
+        except WeightPushError as e:
+            if "does not exist" not in str(e):
+                raise
+        try:
+            await self._post(url, route, body)
+        except WeightPushError:
+            if previous is not None:
+                with contextlib.suppress(WeightPushError):
+                    await self._post(url, route, previous)
+            raise
+        await self._post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     async def close(self) -> None:
         """Close the HTTP session."""

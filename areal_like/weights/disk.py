@@ -19,7 +19,6 @@ it holds. This module does not decide when to push or which version comes next (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -227,7 +226,7 @@ class DiskWeightPusher(ServerAdmin):
         `paused=True`: the caller paused the servers and continues them (no pause, flush or continue here).
         `weights`: a `WeightSource` (streamed shard by shard) or a list of (name, tensor); a LoRA
         learner's adapter (`weights.adapter.AdapterWeights`) is written as a peft dir and swapped in as
-        the servers' run adapter (`_swap_adapter`).
+        the servers' run adapter (`ServerAdmin.swap_adapter`).
 
         On a failed load the servers keep (roll back to) their old weights; generation is continued
         and WeightPushError names the server."""
@@ -250,7 +249,11 @@ class DiskWeightPusher(ServerAdmin):
         failure: BaseException | None = None
         try:
             if adapter:
-                await asyncio.gather(*(self._swap_adapter(u, path, version) for u in self.server_urls))
+                body = {"lora_name": ADAPTER_NAME, "lora_path": path}
+                previous = {**body, "lora_path": self.last_adapter} \
+                    if self.last_adapter and os.path.isdir(self.last_adapter) else None
+                await asyncio.gather(*(self.swap_adapter(u, "/load_lora_adapter", body, previous, version)
+                                       for u in self.server_urls))
                 if not paused:  # the prefix cache holds KV computed with the old adapter
                     await self._all("/flush_cache", {})
             else:
@@ -275,26 +278,6 @@ class DiskWeightPusher(ServerAdmin):
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "write_s": t_written - t0,
                 "bytes": nbytes, "buckets": 1, "path": path, "adapter": adapter}
-
-    async def _swap_adapter(self, url: str, path: str, version: int) -> None:
-        """One server's LoRA push, paused: unload the run's adapter (`ADAPTER_NAME`; a fresh or
-        restarted server has none), load `path` under that name (SGLang's /load_lora_adapter), take
-        `version` as the weight version. A failed load gets the previous version's dir back (best
-        effort) before the error is raised, so the name is never left empty."""
-        try:
-            await self._post(url, "/unload_lora_adapter", {"lora_name": ADAPTER_NAME})
-        except WeightPushError as e:
-            if "does not exist" not in str(e):
-                raise
-        try:
-            await self._post(url, "/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": path})
-        except WeightPushError:
-            if self.last_adapter and os.path.isdir(self.last_adapter):
-                with contextlib.suppress(WeightPushError):
-                    await self._post(url, "/load_lora_adapter", {"lora_name": ADAPTER_NAME,
-                                                                 "lora_path": self.last_adapter})
-            raise
-        await self._post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     def _prune(self, current: str) -> None:
         """Keep `current` and the `keep` − 1 most recently written other version dirs; leftover tmp dirs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+from areal_like.weights.adapter_tensors import AdapterTensorPusher
 from areal_like.weights.disk import DiskWeightPusher
 from areal_like.weights.ipc import CudaIpcWeightPusher
 from areal_like.weights.push import WeightPusher
@@ -16,11 +17,14 @@ DISK_DIR = "weights_disk"  # under the run dir: the versioned checkpoint dirs of
 
 
 def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_port: int,
-                       incarnation: int) -> WeightPusher | DiskWeightPusher | SharedMemoryWeightPusher | CudaIpcWeightPusher:
+                       incarnation: int) -> (WeightPusher | DiskWeightPusher | SharedMemoryWeightPusher | CudaIpcWeightPusher
+                                           | AdapterTensorPusher):
     """The pusher `cfg.weights.mode` asks for, to the servers of `endpoints` (`api.run_files.Endpoints`).
 
     distributed: bucketed broadcast in a group rank 0 forms on `weight_port`; a fresh group name per
-    incarnation (a learner that died mid-push leaves its group behind on the servers).
+    incarnation (a learner that died mid-push leaves its group behind on the servers). A LoRA run
+    (`model.lora_rank` > 0) with SGLang servers: the adapter by value over HTTP instead
+    (/load_lora_adapter_from_tensors, weights/adapter_tensors.py) — SGLang has no NCCL route for adapters.
     disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept; safetensors files of
     at most `weights.bucket_mb`), configs and tokenizer files copied from `model_path`; `weight_port`
     and `incarnation` are unused.
@@ -52,6 +56,9 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
         return SharedMemoryWeightPusher(endpoints.servers, owner=owner, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
                                         timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                         dtype=dtype)
+    if mode == "distributed" and cfg.model.lora_rank > 0 and endpoints.weight_backend == "nccl":
+        return AdapterTensorPusher(endpoints.servers, tp_per_server=devices, timeout_s=cfg.weights.timeout_s,
+                                   admin_api_key=cfg.server.admin_api_key, dtype=dtype)
     if mode == "distributed":
         return WeightPusher(
             endpoints.servers, master_addr=endpoints.learner_host, master_port=weight_port,

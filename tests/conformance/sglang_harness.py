@@ -8,7 +8,9 @@ sglang installed without its CUDA dependencies, torch the CPU wheel), never in t
 
 What is SGLang's own code here, unchanged:
 * the command line: parsed by SGLang's parser (`prepare_server_args`), so a flag the launcher
-  builds that this release does not know fails the start (exit status 2, argparse's message);
+  builds that this release does not know fails the start (exit status 2, argparse's message), then
+  resolved and checked as SGLang's engine does before it launches (`resolve_once`,
+  `check_server_args`: e.g. its LoRA checks);
 * the FastAPI app, its request types (msgspec/pydantic validation of every body), its routes, its
   auth middleware (`--api-key` / `--admin-api-key`), its `/health`, its lifespan, all started by
   SGLang's `_setup_and_run_http_server` (uvicorn);
@@ -16,6 +18,18 @@ What is SGLang's own code here, unchanged:
   `init_custom_process_group`), `receive_weights_from_distributed` (per tensor, and flattened
   buckets through `FlattenedTensorBucket.empty`, which checks alignment) and
   `destroy_weights_update_group`.
+
+LoRA (`--enable-lora`): the tokenizer side is SGLang's own — its `LoRARegistry`, and
+TokenizerManager's own `load_lora_adapter`, `load_lora_adapter_from_tensors`, `unload_lora_adapter`
+(duplicate names, waits for requests holding an adapter, LRU eviction) and `_validate_and_resolve_lora`
+(a generate request's `lora_path` resolved after the pause wait, "never been loaded" refusals) bound to the
+recorder. The scheduler's side is stood in for: by path, SGLang's `LoRAConfig` reads adapter_config.json
+and the safetensors file is read; by tensors, SGLang's TP worker `load_lora_adapter_from_tensors` runs per
+rank (its own deserializer and `expected_checksums` check); both then pass SGLang's
+`LoRAManager.validate_new_adapter` against a pool of the server's `--max-lora-rank` /
+`--lora-target-modules` (`LoRAMemoryPool.can_support`), and each tensor name must be one SGLang's loader
+places (a layer id, or lm_head / embed_tokens). The record: each adapter's tensors' SHA-256, and per generate
+request the adapter it resolved to.
 
 What the recorder stands in for (the TokenizerManager → scheduler → model runner path that needs a
 GPU model): it records every call, holds generate requests while paused (as SGLang's tokenizer
@@ -99,6 +113,10 @@ def main() -> None:
 
     # SGLang's own parser: an unknown flag exits 2 here with argparse's message.
     server_args = prepare_server_args(argv + ["--device", "cpu"])
+    # What SGLang's engine runs before it launches anything: argument resolution and check_server_args
+    # (e.g. check_lora_server_args). An assertion here exits non-zero, as the real server would.
+    server_args.resolve_once()
+    server_args.check_server_args()
     publish(server_args, role="tokenizer")
 
     # The model runner's default group (its TP group): one rank, as a t1 server has.
@@ -145,6 +163,35 @@ class Recorder:
         self.paused = False
         self._unpaused: asyncio.Event | None = None
         self._lock = threading.Lock()
+        self._init_lora()
+
+    def _init_lora(self) -> None:
+        from sglang.srt.lora.lora_manager import LoRAManager
+        from sglang.srt.lora.lora_registry import LoRARegistry
+        from sglang.srt.lora.mem_pool import LoRAMemoryPool
+        from sglang.srt.lora.utils import get_normalized_target_modules
+        from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+        from sglang.srt.runtime_context import get_lora
+
+        lora = get_lora()
+        self.enable_lora = lora.enable_lora
+        self.lora_registry = LoRARegistry(lora.lora_paths)
+        self.lora_update_lock = asyncio.Lock()
+        self.lora_ref_cache: dict = {}
+        self.pending_lora_unloads: dict = {}
+        self.adapters: dict[str, dict] = {}  # lora_id → {name, path, r, tensors: {name: sha256}} (the "ranks")
+        for name in ("load_lora_adapter", "load_lora_adapter_from_tensors", "unload_lora_adapter",
+                     "_unload_lora_adapter_locked"):
+            setattr(self, name, types.MethodType(getattr(TokenizerControlMixin, name), self))
+        for name in ("_validate_and_resolve_lora", "_resolve_lora_path"):
+            setattr(self, name, types.MethodType(getattr(TokenizerManager, name), self))
+        pool = types.SimpleNamespace(max_lora_rank=lora.max_lora_rank or 0, lora_added_tokens_size=0,
+                                     target_modules=get_normalized_target_modules(lora.lora_target_modules or []))
+        pool.can_support = types.MethodType(LoRAMemoryPool.can_support, pool)
+        self._manager = types.SimpleNamespace(attn_dp_enabled=False, lora_refs={}, memory_pool=pool,
+                                              num_pinned_loras=0, max_loras_per_batch=lora.max_loras_per_batch)
+        self._manager.validate_new_adapter = types.MethodType(LoRAManager.validate_new_adapter, self._manager)
 
     def __getattr__(self, name):
         # Attributes the app's OpenAI/Ollama/Anthropic handlers read at start-up (not under test).
@@ -223,6 +270,16 @@ class Recorder:
         sp = dict(obj.sampling_params or {}) if isinstance(obj.sampling_params, dict) else {}
         self._event("generate", rid=obj.rid, input_ids=obj.input_ids, sampling_params=sp, paused=self.paused)
         await self._unpaused_event().wait()  # SGLang holds new requests while paused
+        if obj.lora_path:  # as SGLang does: after the pause wait, SGLang's own resolution
+            try:
+                await self._validate_and_resolve_lora(obj)
+            except ValueError as e:
+                self._event("generate_refused", rid=obj.rid, lora_path=obj.lora_path, error=str(e))
+                raise
+            a = self.adapters.get(obj.lora_id, {})
+            self._event("generate_lora", rid=obj.rid, lora_path=obj.lora_path, lora_id=obj.lora_id,
+                        adapter_path=a.get("path"), tensors=a.get("tensors"))
+            await self.lora_registry.release(obj.lora_id)
         n = int(sp.get("max_new_tokens") or 1)
         out = [(7 + i) % 100 for i in range(n)]
         self.last_receive_tstamp = time.time()
@@ -239,7 +296,81 @@ class Recorder:
         for e in self.events:
             if e["kind"] == "update" and e["success"] and e["weight_version"] is not None:
                 v = e["weight_version"]
+            elif e["kind"] == "weight_version":
+                v = e["new_version"]
         return v
+
+    async def update_weight_version(self, obj):
+        self._event("weight_version", type=type(obj).__name__, new_version=obj.new_version,
+                    abort_all_requests=obj.abort_all_requests)
+
+    # ----------------------------------------------------------------- LoRA (the scheduler's side)
+    async def update_lora_adapter_communicator(self, obj):
+        return [await asyncio.to_thread(self._lora_rank_side, obj)]
+
+    def _lora_rank_side(self, obj):
+        """What the scheduler's ranks do with a LoRA load/unload (see the module doc), recorded."""
+        import json as _json
+
+        from safetensors.torch import load_file
+        from sglang.srt.lora.lora_config import LoRAConfig
+        from sglang.srt.managers.io_struct import (LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqInput,
+                                                   LoRAUpdateOutput)
+        from sglang.srt.managers.tp_worker import TpModelWorker
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.layers.utils import get_layer_id
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
+        kind = type(obj).__name__
+        try:
+            if isinstance(obj, LoadLoRAAdapterFromTensorsReqInput):
+                per_rank = []
+                for rank in range(len(obj.serialized_named_tensors)):
+                    got = {}
+                    worker = types.SimpleNamespace(
+                        deserialize_own_rank=lambda payloads, rank=rank: MultiprocessingSerializer.deserialize(
+                            payloads[rank]),
+                        model_runner=types.SimpleNamespace(
+                            load_lora_adapter_from_tensors=lambda ref, tensors, config, added, got=got: got.update(
+                                ref=ref, tensors=tensors, config=config)))
+                    with get_parallel().override(tp_rank=rank):
+                        TpModelWorker.load_lora_adapter_from_tensors(worker, obj)  # checks expected_checksums
+                    per_rank.append(got)
+                got = per_rank[0]
+                config = LoRAConfig.from_dict(obj.config_dict, obj.added_tokens_config)
+                ref, tensors, path = obj.to_ref(), got["tensors"], "__tensor__"
+                if any({n: _sha(t) for n, t in r["tensors"].items()} != {n: _sha(t) for n, t in tensors.items()}
+                       for r in per_rank):
+                    raise ValueError("the TP ranks' payloads differ")
+            elif isinstance(obj, LoadLoRAAdapterReqInput):
+                config = LoRAConfig(obj.lora_path)
+                tensors = load_file(os.path.join(obj.lora_path, "adapter_model.safetensors"))
+                ref, path = obj.to_ref(), obj.lora_path
+            else:  # UnloadLoRAAdapterReqInput
+                self.adapters.pop(obj.lora_id, None)
+                self._manager.lora_refs.pop(obj.lora_id, None)
+                self._event("lora_unload", type=kind, lora_name=obj.lora_name, success=True)
+                return LoRAUpdateOutput(success=True, loaded_adapters={a["name"]: a["path"]
+                                                                       for a in self.adapters.values()})
+            self._manager.validate_new_adapter(config, ref)
+            unplaced = [n for n in tensors if get_layer_id(n) is None and "lm_head" not in n
+                        and "embed_tokens" not in n]
+            if unplaced:
+                raise ValueError(f"tensors SGLang's LoRA loader cannot place: {unplaced[:5]}")
+            self._manager.lora_refs[ref.lora_id] = ref
+            self.adapters[ref.lora_id] = {"name": ref.lora_name, "path": path, "r": config.r,
+                                          "target_modules": sorted(config.target_modules),
+                                          "tensors": {n: _sha(t) for n, t in tensors.items()},
+                                          "dtypes": sorted({str(t.dtype).removeprefix("torch.")
+                                                            for t in tensors.values()})}
+            self._event("lora_load", type=kind, lora_name=ref.lora_name, lora_id=ref.lora_id, path=path,
+                        config=_json.loads(_json.dumps(config.hf_config, default=str)), success=True)
+            return LoRAUpdateOutput(success=True, loaded_adapters={a["name"]: a["path"] for a in self.adapters.values()})
+        except Exception as e:  # as a rank reports a failed load
+            self._event("lora_load", type=kind, lora_name=getattr(obj, "lora_name", None), success=False,
+                        error=str(e))
+            return LoRAUpdateOutput(success=False, error_message=str(e),
+                                    loaded_adapters={a["name"]: a["path"] for a in self.adapters.values()})
 
     # ----------------------------------------------------------------- weights (SGLang's receiver)
     async def init_weights_update_group(self, obj, request=None):

@@ -38,6 +38,11 @@ from areal_like.engine.client import GenerationClient
 from areal_like.engine.sglang_args import (SUPPORTED_SGLANG, build_sglang_servers, require_sglang,
                                            sglang_server_flags)
 from areal_like.weights import CudaIpcWeightPusher, SharedMemoryWeightPusher, WeightPusher
+from areal_like.weights.adapter import AdapterWeights, adapter_config, file_key
+from areal_like.weights.adapter_tensors import AdapterTensorPusher
+from areal_like.weights.admin import WeightPushError
+from areal_like.weights.disk import DiskWeightPusher
+from areal_like.weights.source import LocalWeights
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = os.environ.get("AREAL_LIKE_SGLANG_CONFORMANCE_PYTHON", str(ROOT / ".venv-sglang-conformance" / "bin" / "python"))
@@ -99,11 +104,13 @@ class Harness:
                 self.proc.wait()
 
 
-def start_harness(tmp_path, model_dir, flags, *, extra_args=(), drop_routes=(), env=None) -> Harness:
+def start_harness(tmp_path, model_dir, flags, *, extra_args=(), drop_routes=(), env=None,
+                  allocation="sglang:d1+fsdp:d1", lora_rank=0, lora_targets=()) -> Harness:
     """Start SGLang's app with the argv and env the launcher builds; wait for its /health."""
-    plan = place("sglang:d1+fsdp:d1", None, 8)
+    plan = place(allocation, None, 8)
     (server,) = build_sglang_servers(plan, model_path=model_dir, ports=[free_port()], seeds=11, api_key=API,
                                      admin_api_key=ADMIN, python=PY, supported_flags=flags,
+                                     lora_rank=lora_rank, lora_targets=lora_targets,
                                      extra_args=["--context-length", "256", *extra_args],
                                      secrets_file=str(tmp_path / "sglang-secrets.yaml"))
     (proc,) = server.processes
@@ -469,3 +476,109 @@ def test_colocated_launch_command_is_parsed_by_sglang_with_its_memory_saver(tmp_
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"enable_memory_saver": True, "tp_size": 2}
+
+
+# ------------------------------------------------------------------------------------------ LoRA (issue 28)
+# The conformance model (model_dir): hidden 32, 4 heads of 8, 2 KV heads, MLP 64, 2 layers, vocab 128.
+_LORA_SHAPES = {"q_proj": (32, 32), "k_proj": (32, 16), "v_proj": (32, 16), "o_proj": (32, 32),
+                "gate_proj": (32, 64), "up_proj": (32, 64), "down_proj": (64, 32)}
+_LORA_TARGETS = (*_LORA_SHAPES, "lm_head")
+
+
+def lora_adapter(seed: int, rank: int = 8) -> AdapterWeights:
+    """An adapter as the learner's `Trainer.weight_source()` gives it (areal_like names, fp32) on every
+    linear layer and the LM head, with its peft config."""
+    from areal_like.learner.lora import LoraSettings
+
+    g = torch.Generator().manual_seed(seed)
+    named = []
+    for layer in range(2):
+        for mod, (fan_in, fan_out) in _LORA_SHAPES.items():
+            part = "self_attn" if mod.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            base = f"model.layers.{layer}.{part}.{mod}"
+            named += [(f"{base}.lora_A.weight", torch.randn(rank, fan_in, generator=g)),
+                      (f"{base}.lora_B.weight", torch.randn(fan_out, rank, generator=g))]
+    named += [("lm_head.lora_A.weight", torch.randn(rank, 32, generator=g)),
+              ("lm_head.lora_B.weight", torch.randn(128, rank, generator=g))]
+    return AdapterWeights(LocalWeights(named), adapter_config(LoraSettings(rank, 16.0, list(_LORA_TARGETS)), None))
+
+
+def adapter_digests(adapter: AdapterWeights, dtype: torch.dtype) -> dict[str, str]:
+    """What SGLang should hold: peft's saved names, the tensors cast to the servers' dtype."""
+    return {file_key(n): sha(t.to(dtype)) for n, t in adapter.open(range(len(adapter.meta)))}
+
+
+def lora_events(record: dict) -> list[dict]:
+    return [e for e in record["events"] if e["kind"] in ("pause", "lora_unload", "lora_load", "weight_version",
+                                                         "flush", "continue", "generate_lora", "generate_refused")]
+
+
+@pytest.mark.parametrize("transport", ["disk", "tensors"])
+def test_lora_pushes_reach_sglangs_own_lora_path_and_requests_resolve_to_the_new_adapter(harness, tmp_path, transport):
+    """Issue 28 item 4, SGLang's side: the launcher's LoRA argv (--enable-lora, --max-lora-rank,
+    --lora-target-modules with lm_head, --max-loras-per-batch, --max-loaded-loras) is taken by SGLang's
+    parser and its check_lora_server_args; a request naming the run's adapter before the first push is
+    held by the launcher's pause instead of SGLang's "never been loaded" 400; each push — `disk`: a peft
+    dir through /load_lora_adapter, `tensors`: by value through /load_lora_adapter_from_tensors (t2: one
+    payload per TP rank, each deserialised by SGLang's TP worker code and checked against
+    `expected_checksums`) — passes SGLang's own registry (unload, load under the same name), its
+    LoRAConfig and its `validate_new_adapter` (rank and targets against the server's pool), sets the
+    weight version, and the next request resolves (SGLang's `_resolve_lora_path`) to an adapter with
+    exactly the pushed bytes. A push SGLang refuses (rank 16 > --max-lora-rank 8) raises naming the server,
+    the previous adapter is loaded back and generation continues on it."""
+    from launcher.run import Run
+
+    h = harness(allocation="sglang:d1t2+fsdp:d1" if transport == "tensors" else "sglang:d1+fsdp:d1",
+                lora_rank=8, lora_targets=_LORA_TARGETS)
+    Run._pause_server(types.SimpleNamespace(cfg=types.SimpleNamespace(  # what `launcher run` does for LoRA
+        server=types.SimpleNamespace(admin_api_key=ADMIN))), h.url)
+    v1, v2 = lora_adapter(1), lora_adapter(2)
+
+    async def go():
+        if transport == "disk":
+            p = DiskWeightPusher([h.url], out_dir=str(tmp_path / "weights_disk"), timeout_s=60, admin_api_key=ADMIN,
+                                 dtype="bfloat16")
+        else:
+            p = AdapterTensorPusher([h.url], tp_per_server=[2], timeout_s=60, admin_api_key=ADMIN, dtype="bfloat16")
+        client = GenerationClient([h.url], api_key=API, health_interval_s=None, request_timeout_s=60,
+                                  lora_name="policy")
+        try:
+            await p.init()
+            early = asyncio.ensure_future(client.generate([1, 2, 3], max_new_tokens=2, rid="early"))
+            await asyncio.sleep(1.0)
+            assert not early.done()  # held by the pause, not refused
+            res1 = await p.update(v1, version=1)
+            r_early = await early
+            r1 = await client.generate([4, 5], max_new_tokens=2, rid="after-v1")
+            await p.update(v2, version=2)
+            r2 = await client.generate([6], max_new_tokens=2, rid="after-v2")
+            with pytest.raises(WeightPushError, match="incompatible|rank"):
+                await p.update(lora_adapter(3, rank=16), version=3)
+            r3 = await client.generate([7], max_new_tokens=2, rid="after-refused")
+            return res1, r_early, r1, r2, r3
+        finally:
+            await client.close()
+            await p.close()
+
+    res1, r_early, r1, r2, r3 = asyncio.run(go())
+    assert res1["adapter"] and res1["bytes"] == sum(t.numel() * 2 for _, t in v1.open(range(len(v1.meta))))
+    assert set(r_early.output_versions) == set(r1.output_versions) == {1} and set(r2.output_versions) == {2}
+    assert set(r3.output_versions) == {2}
+    ev = lora_events(h.record())
+    loads = [e for e in ev if e["kind"] == "lora_load"]
+    want_type = "LoadLoRAAdapterReqInput" if transport == "disk" else "LoadLoRAAdapterFromTensorsReqInput"
+    assert [e["type"] for e in loads] == [want_type] * 4  # v1, v2, refused v3, v2 loaded back
+    assert [e["success"] for e in loads] == [True, True, False, True] and "incompatible" in loads[2]["error"]
+    assert loads[0]["config"]["r"] == 8 and sorted(loads[0]["config"]["target_modules"]) == sorted(_LORA_TARGETS)
+    gen = {e["rid"]: e for e in ev if e["kind"] == "generate_lora"}
+    assert set(gen) == {"early", "after-v1", "after-v2", "after-refused"}
+    assert all(e["lora_path"] == "policy" for e in gen.values())
+    assert gen["early"]["tensors"] == gen["after-v1"]["tensors"] == adapter_digests(v1, torch.bfloat16)
+    assert gen["after-v2"]["tensors"] == gen["after-refused"]["tensors"] == adapter_digests(v2, torch.bfloat16)
+    # the launcher's pause, then each push: pause → (unload: none before the first) → load → version → flush
+    # → continue
+    seq = [e["kind"] for e in ev if e["kind"] != "generate_lora"]
+    pauses = [k for k, kind in enumerate(seq) if kind == "pause"]
+    assert seq[pauses[1]:pauses[2]] == ["pause", "lora_load", "weight_version", "flush", "continue"], seq
+    assert seq[pauses[2]:pauses[3]] == ["pause", "lora_unload", "lora_load", "weight_version", "flush", "continue"], seq
+    assert {e["lora_name"] for e in loads} == {"policy"}

@@ -37,7 +37,11 @@ def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event) -> None:
         stop.wait(0.02)
 
 
-def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_assets):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_assets, lora):
+    """With `model.lora_rank` (issue 28) the same run also starts SGLang with runtime LoRA flags, which
+    SGLang's parser takes (its LoRA checks, which run after the model config loads, run in
+    tests/conformance: this server stops at its torchvision import first)."""
     if not os.path.exists(PY):
         pytest.fail(f"no SGLang conformance environment at {PY}: run scripts/setup.sh")
     model, data = demo_assets
@@ -50,7 +54,9 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
         rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--allocation", "sglang.d1p1t1+d1p1t1",
                                "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
                                f"server.python={PY}", "server.api_key=user-key-0123456789", "train.total_steps=1",
-                               "metrics.prometheus=false", timeout=600)
+                               "metrics.prometheus=false",
+                               *(["model.lora_rank=8", "model.target_modules=[q_proj,v_proj,lm_head]"] if lora else []),
+                               timeout=600)
     finally:
         stop.set()
         watcher.join()
@@ -68,3 +74,8 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
     log = (run_dir / "logs" / "server0.log").read_text(errors="replace")
     assert "unrecognized arguments" not in log and "error: argument" not in log, log[-2000:]
     assert admin not in out and "user-key-0123456789" not in out
+    for cmd in mine.values():
+        lora_argv = ("--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj lm_head "
+                     "--max-loras-per-batch 2 --max-loaded-loras 2")
+        assert (lora_argv in cmd) == lora, cmd
+

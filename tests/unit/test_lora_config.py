@@ -34,7 +34,6 @@ def test_verl_names_are_aliases(tmp_path):
     (["model.lora_rank=8", "model.lora_path=/nonexistent"], "model.lora_path"),
     (["train.export_merged=true"], "train.export_merged"),
     (["model.lora_rank=8", "model.target_modules=[q_proj,lm_head]", "model.fp32_lm_head=true"], "model.fp32_lm_head"),
-    (["model.lora_rank=8", "allocation=sglang:d1+d1"], "embedded"),
     (["model.lora_rank=8", "allocation=embedded:d1|fsdp:d1"], "disaggregated"),
     (["model.lora_rank=8", "model.target_modules=[q_proj,lm_head]", "allocation=embedded:d1+fsdp:d2"],
      "train.dp_sharding=none"),
@@ -76,3 +75,45 @@ def test_planner_lora_learner_is_the_frozen_base_plus_the_adapter():
     assert lora["activations_bytes"] == full["activations_bytes"]
     # tp splits one side of each adapter matrix
     assert m.lora_layer_params(8, LORA_LINEARS, tp=2) < m.lora_layer_params(8, LORA_LINEARS)
+
+
+def test_sglang_servers_take_lora_and_each_weights_mode_picks_an_adapter_transport(tmp_path):
+    """SGLang + LoRA: `disk` → peft dirs through /load_lora_adapter; `distributed` (and `auto`) → the adapter
+    by value through /load_lora_adapter_from_tensors (SGLang has no NCCL route for adapters), one payload
+    per TP rank; embedded servers keep the broadcast."""
+    from areal_like.api.run_files import Endpoints
+    from areal_like.weights import DiskWeightPusher, WeightPusher, make_weight_pusher
+    from areal_like.weights.adapter_tensors import AdapterTensorPusher
+
+    sg = Endpoints(servers=["http://a:1", "http://b:2"], learner_host="127.0.0.1", weight_backend="nccl",
+                   server_devices=[[0, 1], [2, 3]])
+    kw = dict(model_path="m", run_dir=str(tmp_path), weight_port=1, incarnation=0)
+    for mode in ("auto", "distributed"):
+        cfg = load_config(None, ["model.lora_rank=8", "allocation=sglang:d2t2+fsdp:d4", f"weights.mode={mode}"])
+        p = make_weight_pusher(cfg, sg, **kw)
+        assert isinstance(p, AdapterTensorPusher) and p.tp_per_server == [2, 2]
+    cfg = load_config(None, ["model.lora_rank=8", "allocation=sglang:d2t2+fsdp:d4", "weights.mode=disk"])
+    assert isinstance(make_weight_pusher(cfg, sg, **kw), DiskWeightPusher)
+    emb = Endpoints(servers=["http://a:1"], learner_host="127.0.0.1")
+    cfg = load_config(None, ["model.lora_rank=8", "allocation=embedded:d1+d1"])
+    assert isinstance(make_weight_pusher(cfg, emb, **kw), WeightPusher)
+
+
+def test_the_adapter_transport_refuses_full_weights():
+    import asyncio
+
+    import torch
+
+    from areal_like.weights.adapter_tensors import AdapterTensorPusher
+    from areal_like.weights.admin import WeightPushError
+
+    async def go():
+        p = AdapterTensorPusher(["http://127.0.0.1:9"], timeout_s=1)
+        await p.init()
+        try:
+            await p.update([("model.norm.weight", torch.ones(2))], 1)
+        finally:
+            await p.close()
+
+    with pytest.raises(WeightPushError, match="model.lora_rank"):
+        asyncio.run(go())

@@ -349,3 +349,20 @@ def test_colocated_servers_get_the_memory_saver_and_share_the_learners_devices()
               supported_flags={"--model-path", "--host", "--port", "--tp-size"})
     with pytest.raises(SGLangArgsError, match="tensor parallelism"):
         build("sglang:d1p2|fsdp:d2", None, weight_update="memory")
+
+
+def test_lora_flags_are_sglangs_runtime_lora_and_a_release_without_them_is_refused():
+    targets = ("q_proj", "v_proj", "lm_head")
+    (s,) = build("sglang:d1t2+fsdp:d2", None, lora_rank=16, lora_targets=targets)
+    argv = list(s.processes[0].argv)
+    assert "--enable-lora" in argv and flag(argv, "--max-lora-rank") == "16"
+    i = argv.index("--lora-target-modules")
+    assert argv[i + 1:i + 4] == list(targets) and argv[i + 4] == "--max-loras-per-batch"
+    assert flag(argv, "--max-loras-per-batch") == "2" and flag(argv, "--max-loaded-loras") == "2"
+    (plain,) = build("sglang:d1t2+fsdp:d2", None)
+    assert "--enable-lora" not in plain.processes[0].argv
+    old = frozenset({"--model-path", "--port", "--tp-size"})
+    with pytest.raises(SGLangArgsError, match="model.lora_rank=16.*--enable-lora"):
+        build("sglang:d1+fsdp:d1", None, lora_rank=16, lora_targets=targets, supported_flags=old)
+    with pytest.raises(SGLangArgsError, match="lora_targets"):
+        build("sglang:d1+fsdp:d1", None, lora_rank=16)

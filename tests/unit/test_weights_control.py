@@ -10,7 +10,7 @@ import pytest
 
 from areal_like.api.config import ConfigError, ExperimentConfig
 from areal_like.engine.server import ADMIN_PATHS
-from areal_like.weights import (MEMORY_TAGS, CudaIpcWeightPusher, DiskWeightPusher, GenerationControl,
+from areal_like.weights import (MEMORY_TAGS, AdapterTensorPusher, CudaIpcWeightPusher, DiskWeightPusher, GenerationControl,
                                 SharedMemoryWeightPusher, WeightPusher, make_weight_pusher)
 from areal_like.api.run_files import Endpoints
 
@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     lambda tmp: DiskWeightPusher(["http://127.0.0.1:9"], out_dir=str(tmp), model_path=str(tmp)),
     lambda tmp: SharedMemoryWeightPusher(["http://127.0.0.1:9"], owner="x"),
     lambda tmp: CudaIpcWeightPusher(["http://127.0.0.1:9"], tp_per_server=[2]),
+    lambda tmp: AdapterTensorPusher(["http://127.0.0.1:9"], tp_per_server=[2]),
 ])
 def test_each_transport_is_a_generation_control(tmp_path, make):
     handle = make(tmp_path)
@@ -36,7 +37,8 @@ def test_each_transport_is_a_generation_control(tmp_path, make):
 # supervisor, which pauses a restarted SGLang server before the learner re-syncs it (it cannot import the
 # torch-side transports).
 ADMIN_CALLERS = {"areal_like/weights/admin.py", "areal_like/weights/push.py", "areal_like/weights/disk.py",
-                 "areal_like/weights/shm.py", "areal_like/weights/ipc.py", "areal_like/engine/server.py",
+                 "areal_like/weights/shm.py", "areal_like/weights/ipc.py", "areal_like/weights/adapter_tensors.py",
+                 "areal_like/engine/server.py",
                  "launcher/run.py"}
 
 
