@@ -331,7 +331,7 @@ def colocated_phases(parts: dict[str, int], s: TrainSettings) -> dict[str, int]:
     generation  the server's weights and KV cache + what the sleeping learner keeps there (its runtime;
                 its parameters, master and AdamW state unless colocate.offload_learner)
     training    the learner's every part + what the paused server keeps (nothing once released; its
-                weights and KV cache with colocate.release_memory=false)
+                weights and KV cache with colocate.release_memory=false; with LoRA its weights, the frozen base)
     handoff     the learner's parameters (+ reference, critic) and runtime — gradients freed, AdamW state
                 offloaded already with colocate.offload_learner, else all but activations and logits — +
                 the server's weights, resumed to receive the new ones (the KV cache comes back after the
@@ -341,9 +341,10 @@ def colocated_phases(parts: dict[str, int], s: TrainSettings) -> dict[str, int]:
     state = sum(v for k, v in learner.items() if k in ("params_bytes", "optimizer_bytes", "reference_bytes",
                                                           "critic_bytes"))
     runtime = learner.get("runtime_bytes", 0)
-    released = 0 if s.release_memory else weights + kv
+    # LoRA: a push carries the adapter alone, so the servers release only their KV cache (they keep the base)
+    kept = (0 if s.release_memory else kv) + (weights if (s.lora_rank > 0 or not s.release_memory) else 0)
     return {"generation_bytes": weights + kv + runtime + (0 if s.offload_learner else state),
-            "training_bytes": sum(learner.values()) + released,
+            "training_bytes": sum(learner.values()) + kept,
             "handoff_bytes": (sum(v for k, v in learner.items() if k in ("params_bytes", "reference_bytes",
                                                                             "critic_bytes", "runtime_bytes"))
                               if s.offload_learner else

@@ -602,7 +602,9 @@ class WeightSyncConfig(_Section):
     (`embedded:d1|fsdp:d1`), else `distributed`. With LoRA (`model.lora_rank` > 0) only the adapter travels:
     `disk` writes a peft adapter dir the servers load with /load_lora_adapter; `distributed` broadcasts it to
     embedded servers, and to SGLang servers — which have no NCCL route for adapters — sends it by value in
-    the HTTP body of SGLang's /load_lora_adapter_from_tensors (megabytes; no shared filesystem needed)."""
+    the HTTP body of SGLang's /load_lora_adapter_from_tensors (megabytes; no shared filesystem needed).
+    Co-located LoRA (`memory`): the adapter by value to SGLang servers, as a peft dir under the run dir to
+    embedded ones; the servers release only their KV cache between phases (they keep the frozen base)."""
     bucket_mb: float = 512.0
     """Bucket size of the push, in MiB: `distributed` broadcasts tensors in buckets of at most this,
     `disk` writes safetensors files of at most this. What the sending learner rank holds beyond its
@@ -962,11 +964,6 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"weights.mode=memory needs a co-located allocation (generation and training on the "
                               f"same devices, '|' between them, e.g. 'embedded:d1|fsdp:d1'); {self.allocation!r} "
                               f"is {alloc.kind}: set weights.mode=auto")
-        if self.model.lora_rank > 0 and alloc.colocated:
-            raise ConfigError(f"model.lora_rank={self.model.lora_rank} with the co-located allocation {self.allocation!r}: "
-                              f"the in-memory handoff carries full weights only so far — LoRA runs disaggregated "
-                              f"(e.g. 'embedded:d1+d1', weights.mode=distributed or disk); set model.lora_rank=0 "
-                              f"to co-locate")
         if (self.model.lora_rank > 0 and tr is not None and tr.dp > 1 and self.train.dp_sharding != "none"
                 and not self.train.param_offload and isinstance(self.model.target_modules, list) and "lm_head" in self.model.target_modules):
             raise ConfigError(f"model.target_modules names lm_head, but the learner's LM head is split by vocabulary "

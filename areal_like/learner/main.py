@@ -238,9 +238,15 @@ class Coordinator:
     def _release(self) -> bool:
         return self.colocated and self.cfg.colocate.release_memory
 
+    @property
+    def _released_tags(self) -> list[str] | None:
+        """What the servers release for a co-located training phase: everything (None), or with LoRA only
+        the KV cache — a push carries the adapter alone, so the servers keep their frozen base."""
+        return ["kv_cache"] if self.cfg.model.lora_rank > 0 else None
+
     async def end_generation(self) -> None:
         """Co-located: the step's batch is complete, the servers give the devices to the learner —
-        pause → release the KV cache and weights. Requests still generating (η ≥ 1) are aborted: their
+        pause → release the KV cache and weights (LoRA: the KV cache; the base stays). Requests still generating (η ≥ 1) are aborted: their
         clients resubmit them with the tokens so far, which wait in the paused servers and continue
         after the handoff (partial rollout; the client records each token's version — a retract would
         return them all under the version that finishes them). Disaggregated: nothing (the servers keep
@@ -251,7 +257,7 @@ class Coordinator:
         try:
             await self.pusher.pause("abort")
             if self._release:
-                await self.pusher.release_memory(None)
+                await self.pusher.release_memory(self._released_tags)
         except WeightPushError as e:  # a server died: train anyway; the handoff re-syncs every server
             _log(f"could not hand the devices over to the learner ({e}): training anyway, the weight push "
                  "re-syncs the servers and continues them")
@@ -329,12 +335,12 @@ class Coordinator:
                 if reason is not None:
                     seen = self.buffer.restarts("server")  # before: a restart during the re-sync triggers another
                     how = await self.pusher.reform()
-                if in_phase and self._release:
+                if in_phase and self._release and self._released_tags is None:
                     await self.pusher.resume_memory(["weights"])  # a restarted server has nothing released
                 elif self.colocated and not in_phase:
                     # outside a phase (start, re-sync, a phase a server's death broke): all memory back
                     # first, then the update pauses and continues the servers itself
-                    await self.pusher.resume_memory(None)
+                    await self.pusher.resume_memory(self._released_tags)
                 res = await self.pusher.update(weights, version, paused=in_phase)
             except WeightPushError as e:
                 err = e

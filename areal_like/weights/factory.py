@@ -30,7 +30,8 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     and `incarnation` are unused.
     memory (co-located): to our servers, buckets of `weights.bucket_mb` through two shared-memory segments
     named after the run dir (weights/shm.py); to SGLang (the nccl backend), CUDA-IPC handles of buckets on
-    the learner's GPU, one payload per TP rank of each server (weights/ipc.py).
+    the learner's GPU, one payload per TP rank of each server (weights/ipc.py). Co-located LoRA: the adapter
+    by value to SGLang (as distributed), as a peft dir under `<run_dir>/weights_disk/` to our servers.
     All cast floating-point tensors to the servers' dtype (`server.dtype`)."""
     mode = cfg.weights.mode
     if mode == "auto":
@@ -47,6 +48,16 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                 dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20))
+    lora = cfg.model.lora_rank > 0
+    if mode == "memory" and lora and endpoints.weight_backend != "nccl":
+        # co-located LoRA, embedded servers: the adapter (MBs) as a peft dir under the run dir
+        return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
+                                timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
+                                dtype=dtype)
+    if mode in ("memory", "distributed") and lora and endpoints.weight_backend == "nccl":
+        # SGLang has no NCCL route for adapters: the adapter by value (co-located or not)
+        return AdapterTensorPusher(endpoints.servers, tp_per_server=devices, timeout_s=cfg.weights.timeout_s,
+                                   admin_api_key=cfg.server.admin_api_key, dtype=dtype)
     if mode == "memory" and endpoints.weight_backend == "nccl":  # co-located SGLang: CUDA-IPC handles
         return CudaIpcWeightPusher(endpoints.servers, tp_per_server=devices, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
                                    timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key, dtype=dtype)
@@ -56,9 +67,6 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
         return SharedMemoryWeightPusher(endpoints.servers, owner=owner, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
                                         timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                         dtype=dtype)
-    if mode == "distributed" and cfg.model.lora_rank > 0 and endpoints.weight_backend == "nccl":
-        return AdapterTensorPusher(endpoints.servers, tp_per_server=devices, timeout_s=cfg.weights.timeout_s,
-                                   admin_api_key=cfg.server.admin_api_key, dtype=dtype)
     if mode == "distributed":
         return WeightPusher(
             endpoints.servers, master_addr=endpoints.learner_host, master_port=weight_port,

@@ -124,3 +124,22 @@ def test_lora_path_starts_from_a_peft_adapter(tiny_model_dir, tmp_path):
     assert torch.isfinite(lp).all()
     with pytest.raises(ValueError, match="set model.lora_rank=4"):
         trainer(tiny_model_dir, LoraSettings(8, 8.0, ["q_proj", "v_proj", "lm_head"], path=str(tmp_path / "ad")))
+
+
+def test_lora_dropout_acts_in_the_differentiated_forward_only(tiny_model_dir):
+    """`model.lora_dropout`: peft's dropout on the adapter's input changes the gradients the learner
+    trains on, never a forward-only pass (π_prox, the mismatch check, the servers' logprobs)."""
+    from areal_like.learner.lora import dropout_active
+
+    plain = trainer(tiny_model_dir)
+    dropped = trainer(tiny_model_dir, lora=LoraSettings(8, 16.0, "all-linear", dropout=0.5))
+    batch = synthetic_groups(1, vocab=64)
+    a, b = plain.train_step(batch, version=1), dropped.train_step(batch, version=1)
+    # step 1: B = 0, so the dropped input does not change the loss, only the gradient of B
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    assert b["grad_norm"] != pytest.approx(a["grad_norm"], rel=1e-3)
+    # forward-only passes are deterministic (no dropout); inside the differentiated forward they are not
+    assert torch.equal(learner_logits(dropped), learner_logits(dropped))
+    with dropout_active(dropped.actor.stage_module, 0.5):
+        assert not torch.equal(learner_logits(dropped), learner_logits(dropped))
+    assert torch.equal(learner_logits(dropped), learner_logits(dropped))  # back to eval after the context

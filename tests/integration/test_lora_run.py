@@ -80,3 +80,43 @@ def test_lora_disk_sync_and_resume(tmp_path, run_launcher):
     assert "resumed from step 3" in learner_log
     server_log = (run_dir / "logs" / "server0.log").read_text()
     assert "loaded LoRA adapter policy from" in server_log and "/weights_disk/v00000005" in server_log
+
+
+def test_lora_colocated_demo_learns_keeping_the_servers_base(tmp_path, run_launcher, demo_assets):
+    """Co-located LoRA (`embedded:d1|fsdp:d1`, η = 1): for each training phase the server releases only its KV
+    cache — a push carries the adapter alone, so it keeps its frozen base — the adapter is handed over as a
+    peft dir (`/load_lora_adapter`) inside the phase, and the demo learns."""
+    run_dir = tmp_path / "run"
+    steps = 200
+    rc, out = run_launcher(run_dir, *LORA, f"train.total_steps={steps}", "rollout.max_staleness=1",
+                           "train.test_freq=0", allocation="embedded:d1|fsdp:d1", timeout=600)
+    assert rc == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["reward_last"] >= 0.8, summary
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert learner_log.count("co-located step: release") == steps and "weights.mode=memory" in learner_log
+    server_log = (run_dir / "logs" / "server0.log").read_text()
+    assert server_log.count("released ['kv_cache']") == steps and "released ['kv_cache', 'weights']" not in server_log
+    assert server_log.count("server: loaded LoRA adapter policy from") == steps + 1  # version 0, then each step
+    adapter, _ = _adapter_bytes(demo_assets[0])
+    assert all(r["push_bytes"] == adapter for r in _rows(run_dir))
+
+
+def test_lora_path_starts_a_run_from_an_adapter_the_servers_then_serve(tmp_path, run_launcher):
+    """`model.lora_path` through `launcher run`: a new run starts from another run's adapter checkpoint (a
+    peft dir); its first push (version 0) hands the servers exactly that adapter."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    rc, out = run_launcher(first, *LORA, "train.total_steps=2", "train.save_freq=2", "train.test_freq=0")
+    assert rc == 0, out[-4000:]
+    ck = first / "checkpoints" / "step_00000002"
+    run_dir = tmp_path / "run"
+    rc, out = run_launcher(run_dir, *LORA, f"model.lora_path={ck}", "weights.mode=disk", "train.total_steps=1",
+                           "train.test_freq=0")
+    assert rc == 0, out[-4000:]
+    assert f"started from {ck}" in (run_dir / "logs" / "learner.log").read_text()
+    pushed = load_file(str(run_dir / "weights_disk" / "v00000000" / "adapter_model.safetensors"))
+    saved = load_file(str(ck / "adapter_model.safetensors"))
+    assert pushed.keys() == saved.keys() and all(pushed[k].equal(saved[k]) for k in saved)
+    assert any(t.abs().sum() > 0 for k, t in saved.items() if "lora_B" in k)  # trained, not a fresh B = 0

@@ -34,7 +34,6 @@ def test_verl_names_are_aliases(tmp_path):
     (["model.lora_rank=8", "model.lora_path=/nonexistent"], "model.lora_path"),
     (["train.export_merged=true"], "train.export_merged"),
     (["model.lora_rank=8", "model.target_modules=[q_proj,lm_head]", "model.fp32_lm_head=true"], "model.fp32_lm_head"),
-    (["model.lora_rank=8", "allocation=embedded:d1|fsdp:d1"], "disaggregated"),
     (["model.lora_rank=8", "model.target_modules=[q_proj,lm_head]", "allocation=embedded:d1+fsdp:d2"],
      "train.dp_sharding=none"),
 ])
@@ -80,7 +79,8 @@ def test_planner_lora_learner_is_the_frozen_base_plus_the_adapter():
 def test_sglang_servers_take_lora_and_each_weights_mode_picks_an_adapter_transport(tmp_path):
     """SGLang + LoRA: `disk` → peft dirs through /load_lora_adapter; `distributed` (and `auto`) → the adapter
     by value through /load_lora_adapter_from_tensors (SGLang has no NCCL route for adapters), one payload
-    per TP rank; embedded servers keep the broadcast."""
+    per TP rank; embedded servers keep the broadcast. Co-located LoRA: by value to SGLang, a peft dir to
+    embedded servers."""
     from areal_like.api.run_files import Endpoints
     from areal_like.weights import DiskWeightPusher, WeightPusher, make_weight_pusher
     from areal_like.weights.adapter_tensors import AdapterTensorPusher
@@ -97,6 +97,12 @@ def test_sglang_servers_take_lora_and_each_weights_mode_picks_an_adapter_transpo
     emb = Endpoints(servers=["http://a:1"], learner_host="127.0.0.1")
     cfg = load_config(None, ["model.lora_rank=8", "allocation=embedded:d1+d1"])
     assert isinstance(make_weight_pusher(cfg, emb, **kw), WeightPusher)
+    # co-located (weights.mode auto → memory): by value to SGLang, a peft dir under the run dir to ours
+    cfg = load_config(None, ["model.lora_rank=8", "allocation=sglang:d2t2|fsdp:d4"])
+    assert isinstance(make_weight_pusher(cfg, sg, **kw), AdapterTensorPusher)
+    cfg = load_config(None, ["model.lora_rank=8", "allocation=embedded:d1|fsdp:d1"])
+    p = make_weight_pusher(cfg, emb, **kw)
+    assert isinstance(p, DiskWeightPusher) and p.out_dir == str(tmp_path / "weights_disk")
 
 
 def test_the_adapter_transport_refuses_full_weights():

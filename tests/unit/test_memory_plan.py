@@ -264,6 +264,11 @@ def test_colocated_devices_count_their_fullest_phase(tmp_path: Path) -> None:
     assert all(d["total_bytes"] == d["colocated_without_release_bytes"] and not d["fits"] for d in kept["devices"])
     table = _run(*args, tmp=tmp_path).stdout
     assert "co-located 0:0 (total = its fullest phase): generation" in table and "fits: every device" in table
+    # LoRA: the servers release only their KV cache (a push carries the adapter, they keep the base)
+    lora = _memory(tmp_path, *args, "model.lora_rank=16")
+    for d in lora["devices"]:
+        ph = d["colocated_phases"]
+        assert ph["training_bytes"] == sum(d[k] for k in LEARNER_KEYS | {"runtime_bytes"}) + d["weights_bytes"]
     # a disaggregated plan has no phases
     assert all("colocated_phases" not in d for d in _memory(tmp_path, "--allocation", "sglang:d2+fsdp:d2",
                                                             "--model", model)["devices"])
