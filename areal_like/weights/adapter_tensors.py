@@ -99,12 +99,10 @@ class AdapterTensorPusher(ServerAdmin):
         t_paused = time.perf_counter()
         failure: BaseException | None = None
         try:
-            await asyncio.gather(*(
-                self.swap_adapter(u, ROUTE, self._body(k, payload, config, sums),
-                                  None if self._last is None else self._body(k, *self._last), version)
-                for k, u in enumerate(self.server_urls)))
-            if not paused:  # the prefix cache holds KV computed with the old adapter
-                await self._all("/flush_cache", {})
+            ks = range(len(self.server_urls))
+            await self.swap_adapters(ROUTE, [self._body(k, payload, config, sums) for k in ks],
+                                     [None if self._last is None else self._body(k, *self._last) for k in ks],
+                                     version, flush=not paused)
         except BaseException as e:
             failure = e
         finally:

@@ -173,6 +173,16 @@ class ServerAdmin:
             raise
         await self._post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
+    async def swap_adapters(self, route: str, bodies: list[dict[str, Any]], previous: list[dict[str, Any] | None],
+                            version: int, *, flush: bool) -> None:
+        """`swap_adapter` on every server (`bodies[k]`, `previous[k]` for server k), then with `flush` one
+        /flush_cache (the prefix cache holds KV computed with the old adapter; a co-located phase's KV
+        release already dropped it)."""
+        await asyncio.gather(*(self.swap_adapter(u, route, b, p, version)
+                               for u, b, p in zip(self.server_urls, bodies, previous, strict=True)))
+        if flush:
+            await self._all("/flush_cache", {})
+
     async def close(self) -> None:
         """Close the HTTP session."""
         if self._session is not None:

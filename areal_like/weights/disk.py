@@ -252,10 +252,8 @@ class DiskWeightPusher(ServerAdmin):
                 body = {"lora_name": ADAPTER_NAME, "lora_path": path}
                 previous = {**body, "lora_path": self.last_adapter} \
                     if self.last_adapter and os.path.isdir(self.last_adapter) else None
-                await asyncio.gather(*(self.swap_adapter(u, "/load_lora_adapter", body, previous, version)
-                                       for u in self.server_urls))
-                if not paused:  # the prefix cache holds KV computed with the old adapter
-                    await self._all("/flush_cache", {})
+                n = len(self.server_urls)
+                await self.swap_adapters("/load_lora_adapter", [body] * n, [previous] * n, version, flush=not paused)
             else:
                 await self._begin_or_end("/begin_weight_update")
                 # Paused (abort): nothing runs, so flushing the cache is safe on every SGLang release.
