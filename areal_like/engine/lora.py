@@ -12,7 +12,7 @@ model, one peft adapter per loaded adapter *slot*, mixed adapters within one bat
                once per layer) passes `adapter_names=names`; outside it the hook adds nothing, and no
                peft adapter is *active* (`set_adapter([])`), so a plain forward is the base model.
     names      peft renames a wrapped base parameter (`q_proj.weight` → `q_proj.base_layer.weight`) and
-               adds `lora_A.<slot>.weight`: `base_name` maps back to the HF name, `is_adapter_param`
+               adds `lora_A.<slot>.weight`: `base_layer_name` maps back to the HF name, `is_lora_name`
                keeps adapter tensors out of the runner's base weights.
     registry   `LoraRegistry` (event loop): lora_name → slot, the path it came from, and per slot the
                requests that resolved to it (queued, held or running). A slot no name points to and no
@@ -35,17 +35,7 @@ from areal_like.api.config import LORA_LINEARS, LORA_TARGETS
 from areal_like.weights.adapter import tensor_name
 
 BASE = "__base__"  # peft's adapter name of a row without adapter (mixed-batch forward)
-LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
-
-
-def is_adapter_param(name: str) -> bool:
-    return any(m in name for m in LORA_MARKERS)
-
-
-def base_name(name: str) -> str:
-    """The HF name of a base parameter inside a peft-wrapped module."""
-    return name.replace(".base_layer.", ".")
 
 
 def resolve_targets(targets: Any, where: str) -> list[str]:

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_like.engine.lora import LoraSlots, base_name, is_adapter_param
+from areal_like.engine.lora import LoraSlots
+from areal_like.weights.adapter import base_layer_name, is_lora_name
 from areal_like.engine.sampling import GREEDY_EPS, apply_penalties, sample_next
 
 log = logging.getLogger(__name__)
@@ -542,7 +543,7 @@ class ModelRunner:
 
     def base_parameters(self) -> list[torch.nn.Parameter]:
         """The model's own parameters (tied ones once), never a LoRA adapter's."""
-        return [p for n, p in self.model.named_parameters() if not is_adapter_param(n)]
+        return [p for n, p in self.model.named_parameters() if not is_lora_name(n)]
 
     def release_memory(self, tags: set[str]) -> dict[str, int]:
         """SGLang's release_memory_occupation: free the KV cache (`kv_cache`) and/or the weights
@@ -587,7 +588,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- weights
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The base weights by HF name (peft's `.base_layer` dropped; adapter tensors left out)."""
-        return {base_name(n): t for n, t in self.model.state_dict(keep_vars=True).items() if not is_adapter_param(n)}
+        return {base_layer_name(n): t for n, t in self.model.state_dict(keep_vars=True).items() if not is_lora_name(n)}
 
     # ---------------------------------------------------------------- LoRA
     def adapters(self, slots: list[str | None]):

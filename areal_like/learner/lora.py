@@ -38,8 +38,9 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
+from areal_like.weights.adapter import LORA_MARKERS, base_layer_name, is_lora_name
+
 ADAPTER = "default"  # peft's adapter name inside the learner's model (one adapter)
-LORA_MARKERS = (".lora_A.", ".lora_B.")
 
 
 class LoraSettings:
@@ -80,14 +81,10 @@ class LoraSettings:
                           lora_dropout=self.dropout, bias="none", task_type="CAUSAL_LM")
 
 
-def is_lora_name(name: str) -> bool:
-    return any(m in name for m in LORA_MARKERS)
-
-
 def canonical_name(name: str) -> str:
     """The name checkpoints know a parameter by: peft's `.base_layer` and adapter name dropped
     (`…q_proj.base_layer.weight` → `…q_proj.weight`, `…q_proj.lora_A.default.weight` → `…q_proj.lora_A.weight`)."""
-    name = name.replace(".base_layer.", ".")
+    name = base_layer_name(name)
     for m in LORA_MARKERS:
         name = name.replace(f"{m}{ADAPTER}.", m)
     return name

@@ -32,7 +32,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from areal_like.learner.lora import LoraSettings, ModelFiles, canonical_name, is_lora_name, lora_converter
+from areal_like.learner.lora import LoraSettings, ModelFiles, canonical_name, lora_converter
+from areal_like.weights.adapter import is_lora_name
 from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.parallelize import parallelize_model
 from areal_like.learner.parallel.sharded_model import DP_SHARDING, ShardedModel, full_meta_of

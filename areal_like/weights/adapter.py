@@ -34,6 +34,21 @@ PEFT_PREFIX = "base_model.model."
 from areal_like.engine.client import LORA_ADAPTER_NAME as ADAPTER_NAME  # noqa: E402  (lora_name, lora_path)
 
 
+# What marks a parameter of peft's LoRA layers (`…q_proj.lora_A.<adapter>.weight`), in the learner's
+# model and the embedded server's alike; peft renames the wrapped base parameter `…q_proj.base_layer.weight`.
+LORA_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def is_lora_name(name: str) -> bool:
+    """A parameter of an adapter (not of the base)."""
+    return any(m in name for m in LORA_MARKERS)
+
+
+def base_layer_name(name: str) -> str:
+    """The HF name of a base parameter inside a peft-wrapped module (`.base_layer` dropped)."""
+    return name.replace(".base_layer.", ".")
+
+
 def file_key(name: str) -> str:
     return name if name.startswith(PEFT_PREFIX) else PEFT_PREFIX + name
 

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_like.learner.lora import canonical_name, is_lora_name
+from areal_like.learner.lora import canonical_name
+from areal_like.weights.adapter import is_lora_name
 from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.parallelize import (
     DataParallelReducer,
