@@ -246,7 +246,8 @@ class Coordinator:
 
     async def end_generation(self) -> None:
         """Co-located: the step's batch is complete, the servers give the devices to the learner —
-        pause → release the KV cache and weights (LoRA: the KV cache; the base stays). Requests still generating (η ≥ 1) are aborted: their
+        pause → release the KV cache and weights (LoRA: the KV cache alone, the servers keep the base).
+        Requests still generating (η ≥ 1) are aborted: their
         clients resubmit them with the tokens so far, which wait in the paused servers and continue
         after the handoff (partial rollout; the client records each token's version — a retract would
         return them all under the version that finishes them). Disaggregated: nothing (the servers keep

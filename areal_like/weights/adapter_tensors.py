@@ -49,8 +49,11 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 def serialize_adapter(tensors: dict[str, torch.Tensor]) -> str:
-    """The base64 text of one `serialized_named_tensors` entry: the tensors pickled by value."""
-    return base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+    """The base64 text of one `serialized_named_tensors` entry: the tensors pickled by value. A pickled
+    tensor carries its whole storage, so a view into a larger buffer is copied out first."""
+    own = {n: t if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+           else t.clone() for n, t in tensors.items()}
+    return base64.b64encode(pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
 
 
 class AdapterTensorPusher(ServerAdmin):

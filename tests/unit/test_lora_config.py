@@ -123,3 +123,21 @@ def test_the_adapter_transport_refuses_full_weights():
 
     with pytest.raises(WeightPushError, match="model.lora_rank"):
         asyncio.run(go())
+
+
+def test_the_by_value_payload_carries_each_tensor_not_the_buffer_it_views():
+    """A pickled tensor carries its whole storage: an adapter tensor viewing a large gathered buffer is
+    copied out first, so the payload is the adapter's size (and unpickles to the same values)."""
+    import base64
+    import pickle
+
+    import torch
+
+    from areal_like.weights.adapter_tensors import serialize_adapter
+
+    buf = torch.randn(1000, 100)
+    tensors = {"a.lora_A.weight": buf[10:12], "b.lora_B.weight": torch.randn(3, 2)}
+    payload = serialize_adapter(tensors)
+    assert len(payload) < 4096  # not the 400 KB buffer
+    back = pickle.loads(base64.b64decode(payload))
+    assert back.keys() == tensors.keys() and all(back[k].equal(tensors[k]) for k in tensors)
