@@ -97,22 +97,11 @@ class AdapterTensorPusher(ServerAdmin):
         payload, sums, nbytes = await asyncio.to_thread(serialize)
         config = weights.adapter_config
         t_ready = time.perf_counter()
-        if not paused:
-            await self.pause("abort")
-        t_paused = time.perf_counter()
-        failure: BaseException | None = None
-        try:
+        async with self.paused_unless(paused) as t_paused:
             ks = range(len(self.server_urls))
             await self.swap_adapters(ROUTE, [self._body(k, payload, config, sums) for k in ks],
                                      [None if self._last is None else self._body(k, *self._last) for k in ks],
                                      version, flush=not paused)
-        except BaseException as e:
-            failure = e
-        finally:
-            if not paused:
-                await self.resume()
-        if failure is not None:
-            raise failure
         self._last = (payload, config, sums)
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Self
 
 import aiohttp
@@ -149,6 +150,20 @@ class ServerAdmin:
     async def resume_memory(self, tags: list[str] | None = None) -> None:
         """/resume_memory_occupation on every server: allocate what `release_memory` freed (None = all)."""
         await self._all("/resume_memory_occupation", {"tags": tags})
+
+    @contextlib.asynccontextmanager
+    async def paused_unless(self, paused: bool) -> AsyncIterator[float]:
+        """The pause window of one update: pause (abort) unless the caller already holds the servers paused
+        (`paused`, a co-located phase); yields when the window opened (perf_counter); continues the servers
+        afterwards unless the caller holds them — also after a failure, since every server then serves a
+        complete set (the new one, or the old one after its rollback)."""
+        if not paused:
+            await self.pause("abort")
+        try:
+            yield time.perf_counter()
+        finally:
+            if not paused:
+                await self.resume()
 
     async def swap_adapter(self, url: str, route: str, body: dict[str, Any], previous: dict[str, Any] | None,
                            version: int) -> None:

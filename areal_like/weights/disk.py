@@ -243,11 +243,7 @@ class DiskWeightPusher(ServerAdmin):
             nbytes = await asyncio.to_thread(write_hf_checkpoint, weights, path, self.model_path, self.dtype,
                                              self.shard_bytes)
         t_written = time.perf_counter()
-        if not paused:
-            await self.pause("abort")
-        t_paused = time.perf_counter()
-        failure: BaseException | None = None
-        try:
+        async with self.paused_unless(paused) as t_paused:
             if adapter:
                 body = {"lora_name": ADAPTER_NAME, "lora_path": path}
                 previous = {**body, "lora_path": self.last_adapter} \
@@ -261,14 +257,6 @@ class DiskWeightPusher(ServerAdmin):
                                                               "abort_all_requests": False, "flush_cache": not paused,
                                                               "weight_version": str(version)})
                 await self._begin_or_end("/end_weight_update")
-        except BaseException as e:
-            failure = e
-        finally:
-            # Every server serves a complete set (new, or old after its rollback): generation goes on.
-            if not paused:
-                await self.resume()
-        if failure is not None:
-            raise failure
         if adapter:
             self.last_adapter = path
         t_end = time.perf_counter()

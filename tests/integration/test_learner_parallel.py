@@ -200,19 +200,23 @@ def reference(model_dir):
     return st, grads, weights
 
 
-@pytest.fixture(scope="module")
-def ext_reference(model_dir):
-    """The extended config (critic, reference, minibatches) by the Trainer in one process."""
+def one_process_step(model_dir, **kw) -> tuple[Trainer, dict]:
+    """One step of the extended config by the Trainer in this process, on one thread as the ranks run
+    (restored after: process-global)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ln = Trainer(model_dir, TrainConfig(**EXT_CFG, logits_chunk_tokens=0), None, temperature=TEMP,
-                     algorithm=EXT_ALG)
-        st = ln.train_step(synthetic_groups(7), version=0)
-        critic = dict(ln.critic.gather_full(dict(ln.critic.local)))
-        return st, dict(ln.full_state()), critic
+        ln = Trainer(model_dir, TrainConfig(**EXT_CFG, logits_chunk_tokens=0), None, temperature=TEMP, **kw)
+        return ln, ln.train_step(synthetic_groups(7), version=0)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ext_reference(model_dir):
+    """The extended config (critic, reference, minibatches) by the Trainer in one process."""
+    ln, st = one_process_step(model_dir, algorithm=EXT_ALG)
+    return st, dict(ln.full_state()), dict(ln.critic.gather_full(dict(ln.critic.local)))
 
 
 @pytest.fixture(scope="module")
@@ -262,15 +266,8 @@ def test_critic_reference_and_minibatches_match_single_process(layout, ext_refer
 @pytest.fixture(scope="module")
 def lora_reference(model_dir):
     """The LoRA config by the Trainer in one process: stats and the adapter after the step."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ln = Trainer(model_dir, TrainConfig(**EXT_CFG, logits_chunk_tokens=0), None, temperature=TEMP,
-                     algorithm=LORA_ALG, lora=LORA)
-        st = ln.train_step(synthetic_groups(7), version=0)
-        return st, dict(ln.full_state())
-    finally:
-        torch.set_num_threads(threads)
+    ln, st = one_process_step(model_dir, algorithm=LORA_ALG, lora=LORA)
+    return st, dict(ln.full_state())
 
 
 @pytest.mark.parametrize("layout", LORA_LAYOUTS)
