@@ -83,7 +83,9 @@ def rank_main(rank: int, port: int, model_dir: str, sharding: str, ckpt: bool, o
     peak = _status("VmHWM") - base
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"peak": peak, "times": times, "tokens": tokens}, f)
-    dist.destroy_process_group()
+    from areal_like.learner.parallel.spawn import leave_pool
+
+    leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
 
 
 def plain_main(model_dir: str, out: str) -> None:

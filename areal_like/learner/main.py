@@ -611,6 +611,9 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     trainer.layout.leader_ready("finish the last weight push and validation")
     if stopped and ckpt.save_freq > 0 and step > last_saved:
         checkpoint_and_commit()
+    # Every rank through with the pool (collectives, rank 0's store) before any leaves (exit_rank); before
+    # rank 0 closes its trackers, which may take longer than a collective timeout.
+    trainer.barrier()
     await coord.close(stopped, step, version, saved=stopped and ckpt.save_freq > 0)
     return 0
 
@@ -626,7 +629,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import uvloop
 
-    return uvloop.run(run(a.run_dir, a.metrics_port, a.incarnation, a.weight_sync_port, a.device, a.launch))
+    code = uvloop.run(run(a.run_dir, a.metrics_port, a.incarnation, a.weight_sync_port, a.device, a.launch))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a rank of a pool: its process ends without the interpreter's finalization
+        from areal_like.learner.parallel.spawn import exit_rank
+
+        exit_rank(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from areal_like.api.config import TrainConfig
 from areal_like.data.tiny_model import build_tiny_model
-from areal_like.learner.parallel.spawn import synthetic_groups
+from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
 from areal_like.learner.lora import LoraSettings
 from areal_like.learner.trainer import Trainer
@@ -134,7 +134,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                 with open(os.path.join(out_dir, f"{name}.lora.json"), "w") as f:
                     json.dump({k: st[k] for k in LORA_KEYS}, f)
             del lo
-    finally:
+        leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
+    finally:  # on a failure (leave_pool does not return)
         dist.destroy_process_group()
 
 

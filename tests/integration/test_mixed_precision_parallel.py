@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from areal_like.api.config import AlgorithmConfig, TrainConfig
 from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
-from areal_like.learner.parallel.spawn import synthetic_groups
+from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.learner.lora import LoraSettings
 from areal_like.learner.trainer import Trainer
 
@@ -126,7 +126,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
             with open(os.path.join(out_dir, "lora.json"), "w") as f:
                 json.dump({"stats": [{k: s[k] for k in ("loss", "grad_norm", "kl_ref")} for s in stats],
                            "dtypes_ok": bool(flag[0])}, f)
-    finally:
+        leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
+    finally:  # on a failure (leave_pool does not return)
         dist.destroy_process_group()
 
 

@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 
 from areal_like.data.tiny_model import build_tiny_model
 
+from areal_like.learner.parallel.spawn import leave_pool
 from conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -105,7 +106,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, small_dir: str,
         with open(f"{out}.build{rank}", "w") as f:
             json.dump({"build_bytes": build_bytes}, f)
         ln.layout.leader_ready("finish the weight push")  # the other rank serves the push's gathers here
-    finally:
+        leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
+    finally:  # on a failure (leave_pool does not return)
         dist.destroy_process_group()
 
 

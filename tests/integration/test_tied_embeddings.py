@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from areal_like.api.config import TrainConfig
 from areal_like.data.tiny_model import build_tiny_model
-from areal_like.learner.parallel.spawn import synthetic_groups
+from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.learner.trainer import Trainer
 
 from conftest import free_port
@@ -53,7 +53,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str) -> None:
             ln.train_step(synthetic_groups(1, vocab=32), version=0)
             assert hf.lm_head.weight is hf.model.embed_tokens.weight, f"{sharding}: untied by a step"
             del ln
-    finally:
+        leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
+    finally:  # on a failure (leave_pool does not return)
         dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from areal_like.learner.parallel.spawn import leave_pool
 from conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -107,7 +108,8 @@ def _rank_main(rank: int, world: int, port: int) -> None:
             full_grad = param.grad.full_tensor()
             torch.testing.assert_close(full_grad, gW, atol=1e-5, rtol=1e-5)
             assert float(lp1.abs().sum()) > 0 or scenario == "rank1-empty" and rank == 1
-    finally:
+        leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
+    finally:  # on a failure (leave_pool does not return)
         dist.destroy_process_group()
 
 

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from areal_like.api.config import TrainConfig
 from areal_like.data.tiny_model import build_tiny_model
-from areal_like.learner.parallel.spawn import synthetic_groups
+from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 
 TIMEOUT_S = 2.0  # train.collective_timeout_s of these pools: rank 0's delays below are several times it
 
@@ -99,7 +99,7 @@ def _host_rank(rank: int, world: int, port: int, q, model_dir: str) -> None:
         tr.barrier()  # the checkpoint's barriers
         res["ok"] = True
         q.put((rank, res))
-        dist.destroy_process_group()
+        leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
     except BaseException:
         q.put((rank, {"error": traceback.format_exc()}))
 
@@ -156,7 +156,7 @@ def _late_first_batch_rank(rank: int, world: int, port: int, q, model_dir: str) 
         left = [k for n in (1, 2, 3) for k in (f"areal_like/leader/{n}", f"areal_like/leader/{n}/passed")
                 if store.check([k])]
         q.put((rank, {"stats": stats, "keys_left": left}))
-        dist.destroy_process_group()
+        leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
     except BaseException:
         q.put((rank, {"error": traceback.format_exc()}))
 

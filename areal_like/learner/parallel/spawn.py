@@ -3,6 +3,8 @@
     init_pool_from_env()   torch.distributed from the usual env (RANK, WORLD_SIZE, MASTER_ADDR,
                            MASTER_PORT; the CUDA device is the one passed) — gloo on CPU,
                            "cpu:gloo,cuda:nccl" on CUDA (layout.pool_backend)
+    exit_rank()            how a pool rank's process ends: flushed, then os._exit (why: its docstring)
+    leave_pool()           a barrier over the pool, then exit_rank(0): a rank done with its work
     synthetic_groups()     deterministic TrajectoryGroups (random tokens and behaviour logprobs)
 
 `python -m areal_like.learner.parallel.spawn --model M --layout d2 --steps N ...` runs N train
@@ -16,9 +18,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -54,6 +58,35 @@ def init_pool_from_env(timeout_s: float = 300.0, device: str = "cpu") -> int:
                           master_listen_fd=bound_listen_fd(addr, port) if rank == 0 else None, use_libuv=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End this pool rank's process with `code`: stdio and logging flushed, then `os._exit` — the
+    interpreter's finalization never runs. The rank's files and trackers are closed before this.
+
+    Why not a plain exit: torch's functional collectives (what DTensor uses — FSDP2, tensor parallel,
+    the vocab split, `full_tensor`) keep the gloo process group, and so its worker threads, alive past
+    `destroy_process_group` (torch 2.13). A worker that drops the last reference to a finished
+    collective's Python-held tensor needs the GIL; once the interpreter is finalizing, CPython ends
+    such a thread inside a C++ destructor: "terminate called without an active exception", SIGABRT,
+    after a rank that did all its work — at random, about 1 end in 20 of the vocab-parallel test, and
+    the launcher would take such a learner rank for a crashed one and restart the pool."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
+            pass
+    os._exit(code)
+
+
+def leave_pool() -> NoReturn:
+    """A rank that is done: a barrier over the pool, then `exit_rank(0)`. The barrier keeps every rank
+    until all are through with their collectives and with the pool's store — rank 0 hosts it, and a
+    rank 0 that left first would take it from a follower still reading its last `leader_ready`."""
+    if dist.is_initialized():
+        dist.all_reduce(torch.zeros(1))  # a CPU tensor: the gloo side of the pool's backend, its timeout
+    exit_rank(0)
 
 
 def synthetic_groups(seed: int, *, n_groups: int = 4, n: int = 4, vocab: int = 64, version: int = 0,
@@ -114,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.die_after and step == a.die_after:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash right after step k's checkpoint
     if dist.is_initialized():
-        dist.destroy_process_group()
+        leave_pool()
     return 0
 
 
