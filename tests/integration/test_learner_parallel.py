@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from areal_like.api.config import TrainConfig
+from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
@@ -56,14 +57,6 @@ LORA_LAYOUTS = ["d2-none", "d2-full", "p2", "t2", "d2p2-full", "d2t2-full", "p2t
 LORA = LoraSettings(4, 8.0, "all-linear")
 LORA_ALG = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
 LORA_KEYS = ("loss", "grad_norm", "kl_ref", "clipfrac", "optimizer_steps")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _read_as_a_push_does(ln: Trainer) -> list:
@@ -224,7 +217,7 @@ def ext_reference(model_dir):
 def parallel_runs(model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("par"))
     for world in (2, 4):
-        mp.start_processes(_rank_main, args=(world, _free_port(), model_dir, out), nprocs=world, join=True,
+        mp.start_processes(_rank_main, args=(world, free_port(), model_dir, out), nprocs=world, join=True,
                            start_method="spawn")
     return out
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.integration
@@ -23,16 +24,8 @@ TRAIN = {"lr": 1e-2, "grad_clip": 1.0, "micro_batch_tokens": 48, "seed": 5, "war
          "total_steps": 4, "save_freq": 1, "resume_mode": "auto", "collective_timeout_s": 120}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_pool(model: str, layout: str, world: int, out: str, steps: int, die_after: int = 0, **train_over) -> list[int]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -22,18 +22,11 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_like.api.config import TrainConfig
+from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 
 TIMEOUT_S = 2.0  # train.collective_timeout_s of these pools: rank 0's delays below are several times it
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, world: int, port: int, timeout_s: float) -> None:

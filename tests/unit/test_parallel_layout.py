@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_like.api.config import TrainConfig
+from areal_like.api.net import free_port
 from areal_like.learner.checkpoint import CheckpointManager
 from areal_like.learner.batching import dp_share
 from areal_like.learner.parallel import LayoutSpec, ParallelLayout
@@ -136,14 +137,6 @@ def _groups_rank(rank: int, world: int, port: int, q) -> None:
         q.put((rank, out))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_layout_groups_on_four_gloo_ranks():
