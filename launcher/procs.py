@@ -54,6 +54,8 @@ class ProcessTable:
     bind_host: str = "127.0.0.1"
     cpu_affinity: dict[str, set[int]] = field(default_factory=dict)
     """`launcher.cpu_affinity` parsed (`cpu_sets`): role kind → CPUs; empty = no pinning."""
+    ports_handed: set[int] = field(default_factory=set)
+    """Every port `free_port` gave a role of this run (see there)."""
 
     # ---- where a role runs (one node: this machine) -----------------------------------------------
     def host(self, name: str) -> str:
@@ -61,7 +63,11 @@ class ProcessTable:
         return self.bind_host
 
     def free_port(self, name: str) -> int:
-        return free_port(self.bind_host)
+        """A free port for `name` to bind, never one this run handed out before (two roles starting
+        together could otherwise be given the same one: it was free for both picks)."""
+        port = free_port(self.bind_host, avoid=self.ports_handed)
+        self.ports_handed.add(port)
+        return port
 
     def devices(self, name: str) -> tuple[int, ...]:
         return role_devices(self.plan, name)

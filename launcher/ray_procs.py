@@ -73,10 +73,10 @@ class RoleHost:
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(),
                 "actor_pid": os.getpid(), "gpu_ids": gpu_ids}
 
-    def free_port(self, host: str) -> int:
+    def free_port(self, host: str, avoid: list[int]) -> int:
         from areal_like.api.net import free_port
 
-        return free_port(host)
+        return free_port(host, avoid)
 
     def read_token(self, path: str) -> str | None:
         try:
@@ -277,6 +277,7 @@ class RayProcessTable(ProcessTable):
         self.run_id = f"{os.path.basename(run_dir.rstrip('/'))}-{secrets.token_hex(3)}"
         self.slots: dict[str, Slot] = {}
         self.pgs: dict[int, object] = {}
+        self._ports_handed: dict[str, set[int]] = {}  # node address → ports given to its roles (free_port)
         self._layout(n_rollouts)
 
     # ---- placement ------------------------------------------------------------------------------
@@ -398,8 +399,13 @@ class RayProcessTable(ProcessTable):
         return self.slots[name].ip
 
     def free_port(self, name: str) -> int:
+        """A free port on `name`'s node, never one this run handed out before on that node."""
         s = self.slots[name]
-        return self._call(s, self._actor(name).free_port.remote(self.host(name)), "pick a free port")
+        host = self.host(name)
+        handed = self._ports_handed.setdefault(host, set())
+        port = self._call(s, self._actor(name).free_port.remote(host, sorted(handed)), "pick a free port")
+        handed.add(port)
+        return port
 
     def device_env(self, name: str) -> dict[str, str]:
         """CUDA_VISIBLE_DEVICES of a role: the devices Ray gave its actor (= the plan's, the node being

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 
 # Ports `free_port` draws from: [PORT_FLOOR, the kernel's first ephemeral port).
 PORT_FLOOR = 10000
@@ -20,10 +21,11 @@ def ephemeral_ports() -> tuple[int, int] | None:
     return low, high
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
     """A TCP port free on `host` now, for a process that binds it later (a role's HTTP or metrics
-    port, a process group's store). Another listener may still take it before the caller binds:
-    callers fail naming the port.
+    port, a process group's store), and not one of `avoid` (those handed out already and not yet
+    bound: the launcher's). Another listener may still take it before the caller binds: callers fail
+    naming the port.
 
     Drawn at random *below* the kernel's ephemeral range: the OS hands ports of that range to every
     outgoing connection (and to bind(0)), so such a port could be taken between the pick and the
@@ -36,12 +38,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         pick = random.SystemRandom()
         for _ in range(100):
             port = pick.randrange(PORT_FLOOR, eph[0])
+            if port in avoid:
+                continue
             with socket.socket(family, stype, proto) as sock:
                 try:
                     sock.bind((addr[0], port, *addr[2:]))
                 except OSError:  # in use (listening, connected or in TIME_WAIT): another draw
                     continue
                 return port
-    with socket.socket(family, stype, proto) as sock:
-        sock.bind(addr)
-        return sock.getsockname()[1]
+    for _ in range(100):
+        with socket.socket(family, stype, proto) as sock:
+            sock.bind(addr)
+            port = sock.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise OSError(f"no free TCP port on {host} outside the {len(avoid)} already handed out")

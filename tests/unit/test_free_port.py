@@ -49,3 +49,22 @@ def test_without_a_readable_range_the_os_picks(monkeypatch):
     p = net.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", p))
+
+
+def test_the_launcher_never_hands_out_one_port_twice(tmp_path, monkeypatch):
+    """Two roles starting together: the second pick must not return the first one's port, which is
+    still free (its role has not bound it yet)."""
+    from launcher.procs import ProcessTable
+
+    a = net.free_port()
+    b = net.free_port(avoid={a})
+    draws = iter([a, a, a, b])
+
+    class Draws:
+        def randrange(self, lo, hi):
+            return next(draws)
+
+    monkeypatch.setattr(net.random, "SystemRandom", Draws)
+    monkeypatch.setattr(net, "ephemeral_ports", lambda: (60000, 61000))  # draws used on any OS
+    procs = ProcessTable(str(tmp_path))
+    assert (procs.free_port("learner"), procs.free_port("rollout0")) == (a, b)
