@@ -136,7 +136,12 @@ address under `--backend ray` (Prometheus scrapes it from another node); 127.0.0
 def serve(port: int, host: str | None = None) -> None:
     """Expose this process's metrics at http://host:port/metrics (a daemon thread); `host` defaults
     to $AREAL_LIKE_BIND_HOST, else 127.0.0.1."""
-    start_http_server(port, addr=host or os.environ.get(BIND_HOST_ENV) or "127.0.0.1", registry=REGISTRY)
+    addr = host or os.environ.get(BIND_HOST_ENV) or "127.0.0.1"
+    try:
+        start_http_server(port, addr=addr, registry=REGISTRY)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot serve /metrics on {addr}:{port} (the port the launcher gave this role; "
+                               f"metrics.prometheus=false serves none): {e.strerror}") from e
 
 
 # --- tools (agentic RLVR: areal_like/tools) ----------------------------------------------------

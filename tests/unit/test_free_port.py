@@ -1,5 +1,6 @@
 """`free_port` (areal_like/api/net.py): the ports the launcher hands to roles come from below the
-kernel's ephemeral range, so no outgoing connection of the run can hold one when its role binds it."""
+kernel's ephemeral range, so no outgoing connection of the run can hold one when its role binds it;
+never twice in a run; and a role that still cannot bind its metrics port says which one."""
 
 from __future__ import annotations
 
@@ -68,3 +69,14 @@ def test_the_launcher_never_hands_out_one_port_twice(tmp_path, monkeypatch):
     monkeypatch.setattr(net, "ephemeral_ports", lambda: (60000, 61000))  # draws used on any OS
     procs = ProcessTable(str(tmp_path))
     assert (procs.free_port("learner"), procs.free_port("rollout0")) == (a, b)
+
+
+def test_a_role_whose_metrics_port_is_taken_fails_naming_it():
+    from areal_like import metrics as M
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve /metrics on 127.0.0.1:{port} .*metrics.prometheus=false"):
+            M.serve(port, "127.0.0.1")
