@@ -53,7 +53,11 @@ def test_estimator_runs_under_launcher(tmp_path, run_launcher, estimator):
         assert sum(r["clipfrac"] > 0 for r in trained) > len(trained) / 2, [r["clipfrac"] for r in rows]
         # from a random init many groups score all 0: they are dropped and replaced
         assert sum(r["filtered"] for r in rows) > 0
-        assert all(r["adv_abs_mean"] > 0 for r in trained)  # every trained group carries signal
+        # Every trained group carries signal while the filter finds such groups within its budget; past
+        # algorithm.filter_groups_max_extra (64) dropped in a step the batch trains as it is (verl's
+        # max_num_gen_batches) — at lr 2e-2 a late step can find every group solved (seen in CI).
+        within = [r for r in trained if r["filtered"] < 64]
+        assert within and all(r["adv_abs_mean"] > 0 for r in within), [(r["filtered"], r["adv_abs_mean"]) for r in rows]
     if estimator == "rloo":
         assert max(r["staleness_max"] for r in rows) <= 2
         assert all(r["behav_w_min"] == 1.0 and r["behav_w_max"] == 1.0 for r in rows if not r["skipped"])
