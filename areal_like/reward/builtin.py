@@ -27,6 +27,10 @@
     taco, primeintellect                      code (code.py)         code_compute_score(solution_str,
                                                                      ground_truth, extra_info): unit tests run
                                                                      in a sandbox (float or {"score": …})
+    areal_like/arithmetic                     gsm8k, flexible (here) 1 if the LAST number in the reply equals the
+                                                                     ground truth numerically (verl's gsm8k
+                                                                     method="flexible"); reward.format_score if
+                                                                     it is another number; 0 with no number
     exact, exact_match                        exact (here)           1 if equal after stripping whitespace
     areal_like/demo                           demo (data/demo_task)  1 / 0.5 / 0 (see demo_task.py)
     anything else                             exact (here)           as exact, with a warning once per source
@@ -43,6 +47,7 @@ import logging
 import re
 from typing import Any, Callable
 
+from areal_like.data.arithmetic import ARITHMETIC_DATA_SOURCE
 from areal_like.data.demo_task import DEMO_DATA_SOURCE, demo_compute_score
 from areal_like.reward.math_score import last_boxed, math_compute_score
 from areal_like.reward.qa import qa_em_score, qa_f1_score, search_r1_score
@@ -109,6 +114,9 @@ ScoreFn = Callable[[str, Any, "dict[str, Any] | None", float], Any]
 """(solution_str, ground_truth, extra_info, format_score) -> float, or a dict with "score"."""
 
 _GSM8K: ScoreFn = lambda s, gt, ei, fs: gsm8k_compute_score(s, gt, format_score=fs)
+# The arithmetic task (data/arithmetic.py): verl's gsm8k scorer in its flexible mode — the last number of
+# the reply; a reply without a number scores 0, a wrong number reward.format_score.
+_GSM8K_FLEXIBLE: ScoreFn = lambda s, gt, ei, fs: gsm8k_compute_score(s, gt, method="flexible", format_score=fs)
 _MATH: ScoreFn = lambda s, gt, ei, fs: math_compute_score(s, gt)
 _MATH_DAPO: ScoreFn = lambda s, gt, ei, fs: math_compute_score(s, gt, answer_line=True)
 _QA_EM: ScoreFn = lambda s, gt, ei, fs: qa_em_score(s, gt, format_score=fs)
@@ -124,6 +132,7 @@ _QA_EM_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "qa_em")
 
 BUILTIN_REWARDS: dict[str, ScoreFn] = {
     "openai/gsm8k": _GSM8K,
+    ARITHMETIC_DATA_SOURCE: _GSM8K_FLEXIBLE,
     "gsm8k": _GSM8K,
     "lighteval/MATH": _MATH,
     "DigitalLearningGmbH/MATH-lighteval": _MATH,

@@ -9,7 +9,9 @@ Where a call runs:
   `reward.format_score`). Built-ins need it as much as user code: math-verify's sympy can grind for
   minutes on an answer like `\\boxed{9^{9^{9}}}`, and the code scorer runs the model's programs.
 - One exception: the demo task's built-in (`INLINE_SOURCES`, data_source "areal_like/demo") runs
-  inline in the event loop. It is a comparison of two stripped strings that cannot hang or raise;
+  inline in the event loop, and so does the arithmetic task's ("areal_like/arithmetic": one linear regex
+  over the reply's last 300 characters and a float comparison). The demo's is a comparison of two
+  stripped strings that cannot hang or raise;
   inline it costs ~1 µs a call against ~0.1–0.2 ms for the process hop (measured on a 2-CPU box:
   gsm8k 125 µs sequential, 80 µs with 2 workers busy, vs 1.2 µs inline), and its runs (2-CPU boxes,
   the tests) need no extra interpreters (~0.5 s and ~60 MB each, math-verify's sympy included).
@@ -53,6 +55,7 @@ import msgspec
 from areal_like.api.config import RewardFunctionConfig, RewardShapingConfig
 from areal_like.buffer.scripts import REWARD_FAILURE_KINDS
 from areal_like.metrics import REWARD_FAILURES, REWARD_TIMEOUTS
+from areal_like.data.arithmetic import ARITHMETIC_DATA_SOURCE
 from areal_like.data.demo_task import DEMO_DATA_SOURCE
 from areal_like.reward.builtin import default_compute_score
 from areal_like.reward.custom import load_custom_reward, to_score
@@ -68,7 +71,7 @@ _ENC = msgspec.msgpack.Encoder(enc_hook=str)  # extra_info may hold odd types; t
 _DEC = msgspec.msgpack.Decoder()
 _LOG_EVERY_S = 10.0
 
-INLINE_SOURCES = frozenset({DEMO_DATA_SOURCE})
+INLINE_SOURCES = frozenset({DEMO_DATA_SOURCE, ARITHMETIC_DATA_SOURCE})
 """Built-in data sources scored in the event loop, not in a worker (see the module doc for why)."""
 
 
