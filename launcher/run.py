@@ -34,6 +34,7 @@ import urllib.request
 from collections.abc import Callable
 
 from areal_like.api.config import lora_target_modules
+from areal_like.api.net import reach_host, url_host
 from areal_like.api.run_files import Endpoints
 from launcher.procs import ProcessTable, Role, end_process_group, role_kind
 
@@ -159,6 +160,7 @@ def cmd_run(args) -> int:
     try:
         cfg, alloc = _resolve(args)
         _, n_servers, _ = _check_runnable(cfg, alloc)
+        _check_devices(cfg, alloc)
         # every model/data/tools/workflow file checked before the run dir is created or anything starts
         _preflight(cfg)
         _check_memory(cfg, alloc)
@@ -194,21 +196,35 @@ def _preflight(cfg) -> None:
 
 
 def cuda_device_memory() -> int | None:
-    """Smallest `memory.total` of this machine's GPUs (bytes) from `nvidia-smi`, or None where there is
+    """Smallest memory of this machine's visible GPUs (bytes) from `nvidia-smi`, or None where there is
     no nvidia-smi or it answers nothing usable (the launcher never imports torch to ask)."""
-    import shutil
-    import subprocess
+    from launcher.devices import cuda_gpus
 
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
+    gpus = cuda_gpus()
+    return min(g.memory_bytes for g in gpus) if gpus else None
+
+
+def _check_devices(cfg, alloc) -> None:
+    """Issue 40: the local backend refuses an allocation larger than this machine's GPUs (naming
+    `--backend ray`) and SGLang on a machine without one; SGLang servers must run the learner's torch
+    release (launcher/devices.py). Before the run dir is created or anything starts."""
+    from launcher.devices import DeviceCheckError, check_local_devices, check_torch_pairing, cuda_gpus, uses_cuda
+
     try:
-        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-        mib = [int(float(x)) for x in out.split() if x.strip()]
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-    return min(mib) * 2**20 if mib else None
+        if uses_cuda(cfg, alloc):
+            check_local_devices(cfg, alloc, cuda_gpus())
+        if alloc.generation.backend == "sglang":
+            check_torch_pairing(_server_python(cfg))
+    except DeviceCheckError as e:
+        raise RunError(str(e)) from None
+
+
+def _server_python(cfg) -> str:
+    """server.python as the servers are started with it (a relative path is taken from the launcher's directory)."""
+    p = cfg.server.python
+    if not p:
+        return sys.executable
+    return os.path.abspath(p) if os.sep in p else p
 
 
 def _check_memory(cfg, alloc) -> None:
@@ -424,7 +440,9 @@ class Run:
         names = [f"server{i}" for i in range(self.n_servers)]
         ports = [cfg.server.base_port + i if cfg.server.base_port else self.procs.free_port(n) for i, n in enumerate(names)]
         ray = self.procs.backend == "ray"
-        node_hosts = None
+        # Local: every server on this machine, reached at the address it binds (server.host; loopback for
+        # a wildcard), which its URL and the health probe use
+        node_hosts = None if ray else [reach_host(cfg.server.host)] * plan.nodes
         if ray:  # each node's address, as its servers' actors report it
             by_node = {self.procs.placement(n)["node"]: self.procs.host(n) for n in names}
             node_hosts = [by_node.get(k, "127.0.0.1") for k in range(plan.nodes)]
@@ -436,9 +454,7 @@ class Run:
                                        api_key=cfg.server.api_key, admin_api_key=cfg.server.admin_api_key,
                                        host=None if ray else cfg.server.host, node_hosts=node_hosts,
                                        supported_flags=flags, enable_metrics=cfg.metrics.prometheus,
-                                       # a relative server.python is taken from the launcher's directory
-                                       python=os.path.abspath(cfg.server.python) if cfg.server.python
-                                       and os.sep in cfg.server.python else (cfg.server.python or sys.executable),
+                                       python=_server_python(cfg),
                                        weight_update=cfg.resolved_weights_mode(), dtype=cfg.server.dtype,
                                        memory_saver=self.alloc.colocated and cfg.colocate.release_memory,
                                        fp32_lm_head=cfg.model.fp32_lm_head,
@@ -519,7 +535,7 @@ class Run:
             server_env = {**env, **self._role_env(name), "AREAL_LIKE_API_KEY": sv.api_key or "",
                           "AREAL_LIKE_ADMIN_API_KEY": sv.admin_api_key or ""}
             roles.append(self.procs.start(name, argv, server_env))
-            urls.append(f"http://{host}:{port}")
+            urls.append(f"http://{url_host(reach_host(host))}:{port}")
         if cuda:
             self._learner_device = "cuda:0"  # the learner trains on its own plan devices too
         while_loading()

@@ -678,7 +678,10 @@ class LauncherConfig(_Section):
     """The Ray backend (`launcher.ray.*`)."""
     gloo_socket_ifname: str | None = None
     """GLOO_SOCKET_IFNAME of every role (the interface gloo groups use between nodes); None = `lo`
-    while every role is on loopback, else gloo's choice (the interface of the host name)."""
+    while every role is on loopback, else, on each node, the interface holding the address the node is
+    reached at (its Ray address) — never gloo's own choice, the host name's address, which is 127.0.1.1
+    on Debian/Ubuntu and in host-network pods. A node where no interface holds that address stops its
+    role with an error naming this key."""
     nccl_socket_ifname: str | None = None
     """NCCL_SOCKET_IFNAME of every role (NCCL's bootstrap interface, e.g. `ib0` or `eth0`); None =
     NCCL's choice."""

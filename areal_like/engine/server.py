@@ -1492,6 +1492,9 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from areal_like.api.net import apply_gloo_interface
+
+    apply_gloo_interface()  # its weight group's gloo side: the interface of this node's address (issue 40)
     import uvloop
 
     uvloop.run(serve(args))

@@ -69,6 +69,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from areal_like.api.net import url_host
+
 if TYPE_CHECKING:  # only the shapes are used; the launcher hands a Placement in
     from allocation.placement import Placement, ServerPlacement
 
@@ -352,7 +354,7 @@ def build_sglang_servers(
             argv += list(extra_args)
             procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(SERVER_ENV),
                                        secrets_file=secrets_file if secrets else None, secrets=dict(secrets)))
-        out.append(SGLangServer(index=sp.index, url=f"http://{_url_host(node_addr)}:{ports[k]}", host=bind,
+        out.append(SGLangServer(index=sp.index, url=f"http://{url_host(node_addr)}:{ports[k]}", host=bind,
                                 port=ports[k], tp=gen.tp, pp=gen.pp, seed=seed_list[k], processes=tuple(procs)))
     return out
 
@@ -532,6 +534,3 @@ def _node_shares(sp: ServerPlacement, g: int, gen) -> list[tuple[int, int]]:
             )
     return shares
 
-
-def _url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr

@@ -627,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", required=True, help="torch device of this rank (cuda:0 under its CUDA_VISIBLE_DEVICES)")
     p.add_argument("--launch", required=True, help="the launch whose endpoints.json rank 0 waits for")
     a = p.parse_args(argv)
+    from areal_like.api.net import apply_gloo_interface
+
+    apply_gloo_interface()  # before the pool's gloo groups: the interface of this node's address (issue 40)
     import uvloop
 
     code = uvloop.run(run(a.run_dir, a.metrics_port, a.incarnation, a.weight_sync_port, a.device, a.launch))

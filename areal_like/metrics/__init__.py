@@ -11,6 +11,8 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from areal_like.api.net import NODE_ADDRESS_ENV
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 # --- generation server -------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def set_val_metrics(results: dict[str, float]) -> None:
             continue
 
 
-BIND_HOST_ENV = "AREAL_LIKE_BIND_HOST"
+BIND_HOST_ENV = NODE_ADDRESS_ENV
 """The address a role binds its own listeners to (/metrics): set by the launcher to the role's node
 address under `--backend ray` (Prometheus scrapes it from another node); 127.0.0.1 otherwise."""
 

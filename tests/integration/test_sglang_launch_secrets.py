@@ -5,6 +5,8 @@ file in the run directory; its command line, which `ps` shows every local user, 
 This machine has no GPU (and the conformance environment no torchvision), so the server exits after
 SGLang's parser has read its arguments and the run fails; what is checked is what any local user
 could read while it ran. tests/conformance checks that SGLang's parser takes the keys from the file.
+The launcher refuses SGLang on a machine whose nvidia-smi lists no GPU (issue 40): a stand-in
+`nvidia-smi` on PATH lists two (the launcher reads only its `--query-gpu=index,memory.total` lines).
 """
 
 import json
@@ -46,6 +48,11 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
         pytest.fail(f"no SGLang conformance environment at {PY}: run scripts/setup.sh")
     model, data = demo_assets
     run_dir = tmp_path / "run"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nvidia-smi").write_text("#!/bin/sh\necho '0, 81559'\necho '1, 81559'\n")
+    (bindir / "nvidia-smi").chmod(0o755)
+    env = {"PATH": os.pathsep.join([str(bindir), os.environ.get("PATH", "")])}
     seen: dict[int, str] = {}
     stop = threading.Event()
     watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop), daemon=True)
@@ -56,7 +63,7 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
                                f"server.python={PY}", "server.api_key=user-key-0123456789", "train.total_steps=1",
                                "metrics.prometheus=false",
                                *(["model.lora_rank=8", "model.target_modules=[q_proj,v_proj,lm_head]"] if lora else []),
-                               timeout=600)
+                               env=env, timeout=600)
     finally:
         stop.set()
         watcher.join()
