@@ -313,6 +313,7 @@ class Run:
         self._t0 = time.monotonic()
         # Supervision (issue 11): every restart, in order — summary.json's `restarts`
         self._restarts: list[dict] = []
+        self._restarting: dict[str, tuple] = {}  # restarted servers still loading: name → (role, url, deadline)
 
     # ---- phases -------------------------------------------------------------------------------
     @property
@@ -693,23 +694,33 @@ class Run:
         self._start_learners(self._incarnation)
 
     # ---- supervision: one policy for every role ---------------------------------------------------
-    def _restart_count(self, kind: str) -> int:
-        return sum(1 for r in self._restarts if r["kind"] == kind)
+    def _restart_count(self, kind: str, name: str | None = None) -> int:
+        """Restarts so far of `kind`; with `name`, those its budget counts (`_budget_scope`)."""
+        scope = None if name is None else _budget_scope(kind, name)
+        return sum(1 for r in self._restarts if r["kind"] == kind and (scope is None or r["budget_scope"] == scope))
 
     def _budget(self, kind: str) -> int:
         b = self.cfg.launcher.max_restarts
         return {"learner": b.learner, "server": b.server, "rollout": b.rollout, "redis": b.redis}[kind]
 
-    def _record_restart(self, kind: str, dead: Role | None, what: str, exit_code: int | None = None) -> None:
-        """summary.json's `restarts` gets one entry; the console gets the reason and the log tail."""
+    def _record_restart(self, kind: str, dead: Role | None, what: str, exit_code: int | None = None,
+                        notify: bool = True) -> None:
+        """summary.json's `restarts` gets one entry; the console gets the reason and the log tail. `notify`:
+        count it in Redis now (a restarted server is counted once it is up: `_server_came_back`)."""
         code = dead.proc.returncode if dead is not None else exit_code
         name = dead.name if dead is not None else kind
         entry = {"role": name, "kind": kind, "exit_code": code, "at_s": round(time.monotonic() - self._t0, 2),
-                 "restart": self._restart_count(kind) + 1, "budget": self._budget(kind)}
+                 "restart": self._restart_count(kind, name) + 1, "budget": self._budget(kind),
+                 "budget_scope": _budget_scope(kind, name)}
         self._restarts.append(entry)
         tail = f"; last lines of {dead.log_path}:\n{dead.tail(5)}" if dead is not None else ""
+        per = f" for {entry['budget_scope']}" if entry["budget_scope"] != kind else ""
         print(f"\n[launcher] {name} exited with code {code}: {what} (restart {entry['restart']} of "
-              f"{entry['budget']}, launcher.max_restarts.{kind}){tail}", file=sys.stderr, flush=True)
+              f"{entry['budget']}{per}, launcher.max_restarts.{kind}){tail}", file=sys.stderr, flush=True)
+        if notify:
+            self._count_restart(kind)
+
+    def _count_restart(self, kind: str) -> None:
         try:
             self._view().count_restart(kind)  # the learner watches restarts:server to re-sync that server
         except Exception as e:  # noqa: BLE001 — the restart itself must go on; the learner also re-syncs on a failed push
@@ -740,18 +751,44 @@ class Run:
         return self._buffer
 
     def _restart_server(self, dead: Role) -> None:
-        """Same port, devices and seed; started paused, so it serves nothing until the learner — told
-        through `restarts:server` — re-forms the weight group with it and pushes the current weights
-        (that push's /continue_generation un-pauses it). Its requests failed over meanwhile (client)."""
+        """Same port, devices and seed; started paused (the embedded engine's --start-paused), so it serves
+        nothing until the learner — told through `restarts:server` once it is up — re-forms the weight
+        group with it and pushes the current weights (that push's /continue_generation un-pauses it). Its
+        requests failed over meanwhile, and the rollout clients take it back only once it serves the run's
+        weight_version (engine/client.py): SGLang has no start-paused flag and answers /health holding the
+        base model. The health wait (minutes for SGLang) does not block supervision (issue 40 item 10): the
+        loop checks it each tick (`_check_restarting`) while it watches every other role."""
         sglang = self.alloc.generation.backend == "sglang"
         role = self.procs.restart(dead, [] if sglang else ["--start-paused"])
         index = int(dead.name.removeprefix("server"))
         url = self._server_urls[index]
-        _wait_health(url, max(self.cfg.server.health_timeout_s, 900.0) if sglang else self.cfg.server.health_timeout_s,
-                     role, f"restarted generation server {index}")
-        if sglang:  # SGLang has no start-paused flag: pause it now, before the learner's re-sync
-            self._pause_server(url)
-        self._record_restart("server", dead, f"restarted on {url}, paused until the learner re-syncs its weights")
+        wait_s = max(self.cfg.server.health_timeout_s, 900.0) if sglang else self.cfg.server.health_timeout_s
+        self._restarting[role.name] = (role, url, time.monotonic() + wait_s)
+        self._record_restart("server", dead, f"restarting on {url}; paused until the learner re-syncs its weights",
+                             notify=False)
+
+    def _check_restarting(self) -> None:
+        """One look at every restarted server still loading: up → (SGLang) paused, then counted in Redis so
+        the learner re-syncs it; past its health wait → RunError. One that dies meanwhile is a death like
+        any other (`procs.dead()`)."""
+        for name, (role, url, deadline) in list(self._restarting.items()):
+            if role.proc.poll() is not None:
+                del self._restarting[name]
+                continue
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    healthy = r.status == 200
+            except Exception:  # noqa: BLE001 — still loading
+                healthy = False
+            if healthy:
+                del self._restarting[name]
+                if self.alloc.generation.backend == "sglang":  # before the learner's re-sync
+                    self._pause_server(url)
+                self._count_restart("server")
+                print(f"[launcher] {name} is up again on {url}; the learner re-syncs its weights", flush=True)
+            elif time.monotonic() > deadline:
+                raise RunError(f"restarted generation server {name} at {url} not healthy in time (server.health_timeout_s); "
+                               f"log {role.log_path}:\n{role.tail()}")
 
     def _pause_server(self, url: str) -> None:
         req = urllib.request.Request(url + "/pause_generation", data=json.dumps({"mode": "abort"}).encode(),
@@ -801,13 +838,15 @@ class Run:
         elif kind == "rollout" and rc == EXIT_WORKFLOW_FAILURES:  # likewise (rollout.max_failure_fraction)
             self._stop_reason = (f"{role.name} stopped: too many groups failed in workflow {self.cfg.rollout.workflow} "
                                  f"(rollout.max_failure_fraction)")
-        elif self._restart_count(kind) < self._budget(kind):
+        elif self._restart_count(kind, role.name) < self._budget(kind):
             {"learner": self._restart_learners, "server": self._restart_server, "rollout": self._restart_rollout}[kind](role)
             return None
         else:
             budget = self._budget(kind)
+            scope = _budget_scope(kind, role.name)
             self._stop_reason = (f"{role.name} exited with code {rc}"
-                                 + (f" after {budget} restart(s) (launcher.max_restarts.{kind}={budget})" if budget else ""))
+                                 + (f" after {budget} restart(s)" + (f" of {scope}" if scope != kind else "")
+                                    + f" (launcher.max_restarts.{kind}={budget})" if budget else ""))
         print(f"\n[launcher] {self._stop_reason}; last lines of {role.log_path}:\n{role.tail()}",
               file=sys.stderr, flush=True)
         return 1
@@ -942,7 +981,9 @@ class Run:
                               flush=True)
                         return 1
                     self._restart_redis()
+                self._check_restarting()
                 for role in self.procs.dead():
+                    self._restarting.pop(role.name, None)
                     rc = self._on_death(role)
                     if rc == 0:
                         progress.finish(read_metrics(metrics_path), self._buffer_depth(), self._status_tail())
@@ -988,6 +1029,13 @@ class Run:
 
 
 RESTART_KINDS = ("learner", "server", "rollout", "redis")
+
+
+def _budget_scope(kind: str, name: str) -> str:
+    """What one `launcher.max_restarts.<kind>` budget counts: each generation server and each rollout
+    worker has its own (`server3`, `rollout0`); the learner pool (all its ranks restart together) and
+    Redis have one for the run."""
+    return name if kind in ("server", "rollout") else kind
 FAILED_START_SUMMARY = "summary.failed_start.json"  # a failed start's summary when summary.json exists
 
 

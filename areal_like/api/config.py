@@ -638,15 +638,17 @@ class ColocateConfig(_Section):
 class RestartBudgets(_Section):
     learner: int = 0
     """A learner rank that dies restarts the whole pool from its latest checkpoint (needs
-    train.save_freq > 0) up to this many times; servers, rollouts and Redis keep running. 0 = a dead
-    learner ends the run."""
+    train.save_freq > 0) up to this many times per run (one budget for the pool: its ranks restart
+    together); servers, rollouts and Redis keep running. 0 = a dead learner ends the run."""
     server: int = 3
     """A generation server that dies is restarted on its port and devices, paused, and re-synced to the
     current weights by the learner before it takes requests (its requests fail over meanwhile), up to
-    this many times per run."""
+    this many times *per server*: each of a run's servers has its own budget (16 servers, 3 → up to 48
+    restarts, at most 3 of any one). The launcher keeps supervising every other role while a restarted
+    server loads."""
     rollout: int = 3
     """A rollout worker that dies is restarted (its gate slots freed, its in-flight groups counted as
-    `lost_in_flight`) up to this many times per run. A worker stopped by `reward.max_failure_fraction`
+    `lost_in_flight`) up to this many times *per worker*. A worker stopped by `reward.max_failure_fraction`
     (exit 3) is never restarted."""
     redis: int = 3
     """The launcher's own redis-server (not one given by `buffer.redis_url`) that dies is restarted on

@@ -91,7 +91,9 @@ async def test_failover_on_kill_then_recovery_on_restart(servers, tiny_model_dir
         assert state[survivor.url]["up"] is True and state[survivor.url]["inflight"] == 0
         assert {client.pick_server(k) for k in on_victim} == {survivor.url}  # sticky keys re-routed
 
-        # restart on the same port: the probe marks it up and new requests go to it again
+        # restart on the same port, holding weight_version 3 while the survivor's replies carried 5 (a
+        # restarted server holds the base model until the learner re-syncs it; issue 40 item 10): it
+        # answers /health but takes no request until it holds the newest version
         restarted = type(victim)(tiny_model_dir, os.path.dirname(victim.log_path), "--weight-version", "3",
                                  port=victim.port)
         try:
@@ -100,9 +102,18 @@ async def test_failover_on_kill_then_recovery_on_restart(servers, tiny_model_dir
             async def victim_up():
                 return client.server_states()[victim.url]["up"]
 
-            await until(victim_up, "the probe to mark the restarted server up")
+            async def victim_held_back():
+                return "serves weight_version 3, behind v5" in (client.server_states()[victim.url]["last_error"] or "")
+
+            await until(victim_held_back, "the probe to find the restarted server behind")
+            held = await asyncio.gather(*(client.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts))
+            assert all(r.server == survivor.url and r.output_versions == [5] * 8 for r in held)
+            assert not await victim_up()
+            # the re-sync's last step sets its version: the probe marks it up, new requests go to it again
+            await call("POST", victim.url, "/update_weight_version", {"new_version": "5"})
+            await until(victim_up, "the probe to mark the re-synced server up")
             again = await asyncio.gather(*(client.generate(p, max_new_tokens=8, ignore_eos=True) for p in prompts))
             back = [r for r in again if r.server == victim.url]
-            assert back and all(r.output_versions == [3] * 8 and r.num_failovers == 0 for r in back)
+            assert back and all(r.output_versions == [5] * 8 and r.num_failovers == 0 for r in back)
         finally:
             restarted.stop()
