@@ -31,7 +31,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="start a training run and supervise it until it ends")
     run.add_argument("--allocation", default=None, help="allocation string (default: the config's `allocation`)")
-    run.add_argument("--config", default="configs/demo.yaml", help="YAML experiment config")
+    run.add_argument("--config", default=None,
+                     help="YAML experiment config (default: configs/demo.yaml, the CPU demo; with an SGLang "
+                          "--allocation, the defaults, which a GPU run completes with verl's values)")
     run.add_argument("--run-dir", default=None, help="where logs, metrics.jsonl and summary.json go")
     run.add_argument("--backend", default=None, choices=["local", "ray"],
                      help="where roles run: local processes, or Ray actors across nodes (default: launcher.backend)")

@@ -132,10 +132,12 @@ def memory_plan(plan: Placement, model: str, *, config: str | None, overrides: l
     """`allocation.memory.plan_memory` for a placement, with the learner's settings read from the
     experiment config (defaults, `--config`, overrides: as `launcher run` reads them). Torch-free."""
     from allocation.memory import ModelShape, TrainSettings, parse_bytes, plan_memory
-    from areal_like.api.config import load_config
+    from areal_like.api.config import apply_gpu_defaults, explicit_keys, load_config
 
     cfg = load_config(config, overrides)
     gen = plan.allocation.generation
+    if gen is not None and gen.backend == "sglang":  # as `launcher run` reads it: the GPU run's defaults
+        apply_gpu_defaults(cfg, explicit_keys(config, overrides))
     settings = TrainSettings.from_config(cfg, sglang=gen is not None and gen.backend == "sglang", seq_len=seq_len,
                                          micro_batch_tokens=micro_batch_tokens)
     return plan_memory(plan, ModelShape.load(model), settings, parse_bytes(device_memory), suggest=suggest)

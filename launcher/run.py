@@ -46,7 +46,7 @@ class RunError(RuntimeError):
 def _resolve(args):
     from allocation import AllocationError, parse_allocation
 
-    from areal_like.api.config import ConfigError, load_config
+    from areal_like.api.config import ConfigError, explicit_keys, load_config
 
     overrides = list(args.overrides or [])
     if args.allocation:
@@ -55,15 +55,51 @@ def _resolve(args):
         overrides.append(f"launcher.backend={args.backend}")
     if getattr(args, "ray_address", None):
         overrides.append(f"launcher.ray.address={args.ray_address}")
+    config = args.config
+    if config is None:  # the CPU demo's file, unless the command line asks for SGLang servers (issue 40 item 6)
+        config = None if _names_sglang(args.allocation) else DEMO_CONFIG
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(config, overrides)
     except ConfigError as e:
         raise RunError(str(e)) from None
     try:
         alloc = parse_allocation(cfg.allocation)
     except AllocationError as e:
         raise RunError(f"allocation {cfg.allocation!r}:\n{e}") from None
+    if alloc.generation is not None and alloc.generation.backend == "sglang":
+        _gpu_settings(cfg, alloc, explicit_keys(config, overrides))
     return cfg, alloc
+
+
+DEMO_CONFIG = "configs/demo.yaml"  # `launcher run` without --config: the CPU demo
+
+
+def _names_sglang(allocation: str | None) -> bool:
+    """Whether an --allocation asks for SGLang servers (a GPU run, which does not start from the CPU demo)."""
+    if not allocation:
+        return False
+    from allocation import AllocationError, parse_allocation
+
+    try:
+        gen = parse_allocation(allocation).generation
+    except AllocationError:
+        return False  # reported with the config's own check
+    return gen is not None and gen.backend == "sglang"
+
+
+def _gpu_settings(cfg, alloc, explicit: set[str]) -> None:
+    """A GPU (SGLang) run (issue 40 item 6): the keys the config leaves at the CPU demo's defaults get verl's
+    values (`GPU_DEFAULTS`, printed), and values the user chose that only make sense on CPU are named."""
+    from areal_like.api.config import ConfigError, apply_gpu_defaults, cpu_only_values
+
+    try:
+        changed = apply_gpu_defaults(cfg, explicit)
+    except ConfigError as e:
+        raise RunError(f"with the GPU run's defaults: {e}") from None
+    for line in changed:
+        print(f"[launcher] GPU run default: {line}", flush=True)
+    for line in cpu_only_values(cfg, num_servers=alloc.generation.dp):
+        print(f"[launcher] warning, a CPU-demo value in a GPU run: {line}", file=sys.stderr, flush=True)
 
 
 def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
@@ -663,10 +699,12 @@ class Run:
         """The learner pool: WORLD_SIZE ranks with the usual torch.distributed environment."""
         world = self.alloc.training.world_size
         env = dict(self._learner_env)
+        sender_env: dict[str, str] = {}  # learner rank 0's alone: it sends the weights
         if self.alloc.generation.backend == "sglang":
-            from areal_like.engine.sglang_args import TRAINER_WEIGHT_GROUP_ENV
+            from areal_like.engine.sglang_args import TRAINER_WEIGHT_GROUP_ENV, WEIGHT_SENDER_ENV
 
             env.update(TRAINER_WEIGHT_GROUP_ENV)
+            sender_env = WEIGHT_SENDER_ENV
         # Rank 0's node hosts the process group's store and the weight-update group's (fresh ports per
         # incarnation: a dead rank 0's may linger).
         env.update({"WORLD_SIZE": str(world), "MASTER_ADDR": self.procs.host("learner"),
@@ -682,12 +720,14 @@ class Run:
                 argv += ["--metrics-port", str(self._learner_metrics_port)]
             node = self.procs.placement(name).get("node", 0)
             local_rank = on_node[node] = on_node.get(node, -1) + 1  # rank among the learner ranks of its node
-            self.procs.start(name, argv, {**env, **self._role_env(name), "RANK": str(rank), "LOCAL_RANK": str(local_rank)})
+            self.procs.start(name, argv, {**env, **(sender_env if rank == 0 else {}), **self._role_env(name),
+                                          "RANK": str(rank), "LOCAL_RANK": str(local_rank)})
         self._incarnation = incarnation
 
     def _restart_learners(self, dead: Role) -> None:
         self._incarnation += 1
         self._record_restart("learner", dead, "restarting the learner pool from its latest checkpoint")
+        self._restart_servers_left_in_a_push()
         for role in [r for r in self.procs.roles if r.name.startswith("learner")]:
             self.procs.stop(role, timeout_s=10.0)
             self.procs.forget(role)
@@ -766,6 +806,42 @@ class Run:
         self._restarting[role.name] = (role, url, time.monotonic() + wait_s)
         self._record_restart("server", dead, f"restarting on {url}; paused until the learner re-syncs its weights",
                              notify=False)
+
+    def _restart_servers_left_in_a_push(self) -> None:
+        """A learner that died inside an NCCL weight push (its rank 0 marks one in Redis from the pause to
+        the end) leaves every server waiting in a broadcast whose sender is gone — for torch's default 30
+        minutes on SGLang's side, which no route ends: they are restarted (each counts one restart of its
+        own budget) and the new learner re-syncs them. Gloo groups time out on both sides: nothing to do."""
+        try:
+            push = self._view().push_in_flight()
+            if push is not None:
+                self._view().mark_push(None)
+        except Exception as e:  # noqa: BLE001 — Redis down: its restart comes first; the servers time out at worst
+            print(f"[launcher] could not read the weight push under way: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+            return
+        if not push or push.get("backend") != "nccl":
+            return
+        servers = [r for r in self.procs.roles if r.name.startswith("server") and r.proc.poll() is None]
+        print(f"[launcher] the learner died inside the NCCL push of version {push.get('version')}: restarting "
+              f"{len(servers)} server(s) left waiting in its broadcast", file=sys.stderr, flush=True)
+        for role in servers:
+            self.procs.stop(role, timeout_s=5.0)  # → dead() → restarted within its budget, re-synced
+
+    def _take_restart_requests(self) -> None:
+        """The learner's requests (Redis `restart_requests`): a server stuck in an NCCL broadcast after a failed
+        push is stopped here; the death path restarts it within its own budget (`_on_death`)."""
+        try:
+            requests = self._view().take_restart_requests()
+        except Exception:  # noqa: BLE001 — Redis down: the supervision loop restarts it; asked again later
+            return
+        for req in requests:
+            role = next((r for r in self.procs.roles if r.name == req.get("role")), None)
+            if role is None or not role.name.startswith("server") or role.proc.poll() is not None:
+                continue
+            print(f"\n[launcher] the learner asks for a restart of {role.name}: {req.get('reason')}", file=sys.stderr,
+                  flush=True)
+            self.procs.stop(role, timeout_s=5.0)
 
     def _check_restarting(self) -> None:
         """One look at every restarted server still loading: up → (SGLang) paused, then counted in Redis so
@@ -970,7 +1046,7 @@ class Run:
         from launcher.progress import open_progress
 
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-        last_print = 0.0
+        last_print = last_requests = 0.0
         with open_progress(self.cfg.train.total_steps, t0) as progress:
             while True:
                 if self.redis is not None and not self.redis.is_running():
@@ -982,6 +1058,9 @@ class Run:
                         return 1
                     self._restart_redis()
                 self._check_restarting()
+                if self._redis_url is not None and time.monotonic() - last_requests >= 1.0:
+                    self._take_restart_requests()
+                    last_requests = time.monotonic()
                 for role in self.procs.dead():
                     self._restarting.pop(role.name, None)
                     rc = self._on_death(role)

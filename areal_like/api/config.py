@@ -1252,6 +1252,25 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Load a YAML file (or defaults when `path` is None) with overrides; validate everything."""
+    tree, where = _raw_tree(path, overrides)
+    try:
+        cfg = msgspec.convert(tree, ExperimentConfig, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        # msgspec says e.g. "Object contains unknown field `lrr` - at `$.train`"
+        raise ConfigError(f"{where}: {msg.replace('$.', '').replace('`$`', 'top level')}") from None
+    cfg.validate()
+    return cfg
+
+
+def explicit_keys(path: str | None, overrides: list[str] | None = None) -> set[str]:
+    """The dotted keys the YAML file and the overrides set (aliases resolved): what the user chose, as
+    opposed to defaults (`apply_gpu_defaults` replaces only defaults)."""
+    tree, _ = _raw_tree(path, overrides)
+    return set(_flatten(tree))
+
+
+def _raw_tree(path: str | None, overrides: list[str] | None) -> tuple[dict[str, Any], str]:
     raw: dict[str, Any] = {}
     where = path or "<defaults>"
     if path is not None:
@@ -1272,14 +1291,70 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> Experim
         key, value = parse_override(ov)
         _set(tree, ALIASES.get(key, key), value)
         where = f"{where} (with overrides)" if "overrides" not in where else where
-    try:
-        cfg = msgspec.convert(tree, ExperimentConfig, strict=False)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        # msgspec says e.g. "Object contains unknown field `lrr` - at `$.train`"
-        raise ConfigError(f"{where}: {msg.replace('$.', '').replace('`$`', 'top level')}") from None
-    cfg.validate()
+    return tree, where
+
+
+# What a GPU (SGLang) run gets where the config leaves a key at its default (issue 40 item 6): the defaults
+# above are the CPU demo's (a tiny model trained from scratch on 2 cores); these are verl's values for a
+# pretrained model. (key, value, whose value). A key the config file or an override sets is left alone.
+GPU_DEFAULTS: tuple[tuple[str, Any, str], ...] = (
+    ("model.dtype", "bfloat16", "verl's FSDP param_dtype, AReaL's actor dtype"),
+    ("train.lr", 1e-6, "verl's actor_rollout_ref.actor.optim.lr"),
+    ("generation.max_new_tokens", 512, "verl's data.max_response_length"),
+    ("data.max_prompt_length", 512, "verl's data.max_prompt_length"),
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
     return cfg
+
+
+def _put(cfg: Any, dotted: str, value: Any) -> None:
+    *head, last = dotted.split(".")
+    for part in head:
+        cfg = getattr(cfg, part)
+    setattr(cfg, last, value)
+
+
+def apply_gpu_defaults(cfg: "ExperimentConfig", explicit: set[str]) -> list[str]:
+    """Give a GPU run `GPU_DEFAULTS` where `cfg` holds the CPU default and the user set nothing (`explicit`
+    from `explicit_keys`); in place. Returns one line per change ("model.dtype: float32 → bfloat16 (…)")."""
+    base = ExperimentConfig()
+    changed = []
+    for key, value, whose in GPU_DEFAULTS:
+        if key in explicit or _get(cfg, key) != _get(base, key):
+            continue
+        changed.append(f"{key}: {_get(cfg, key)} → {value} ({whose})")
+        _put(cfg, key, value)
+    if changed:
+        cfg.validate()
+    return changed
+
+
+def cpu_only_values(cfg: "ExperimentConfig", *, num_servers: int) -> list[str]:
+    """Values a GPU (SGLang) run was given that only make sense for the CPU demo, each with what a GPU run
+    of verl/AReaL uses instead (printed at start; the run goes on: a deliberate choice stays possible)."""
+    out = []
+    if cfg.model.dtype == "float32":
+        out.append("model.dtype=float32: the learner computes in fp32 on the GPUs, several times slower than "
+                   "bfloat16 (verl's and AReaL's compute dtype; the master weights stay fp32 either way)")
+    if cfg.train.lr >= 1e-4:
+        out.append(f"train.lr={cfg.train.lr:g}: the CPU demo's rate for a tiny model trained from scratch; a "
+                   "pretrained model's RL fine-tuning uses ~1e-6 (verl) to 1e-5")
+    if cfg.generation.max_new_tokens < 64:
+        out.append(f"generation.max_new_tokens={cfg.generation.max_new_tokens}: shorter than any reasoning reply "
+                   "(verl's data.max_response_length is 512)")
+    samples = cfg.train.batch_size * cfg.generation.n
+    if samples < 8 * num_servers:
+        out.append(f"train.batch_size × generation.n = {samples} samples per step for {num_servers} SGLang "
+                   f"server(s) (each serves up to {SGLANG_REQUESTS_PER_SERVER} requests at once): most of "
+                   "every server idles; raise train.batch_size")
+    if num_servers > 8 * cfg.rollout.workers:
+        out.append(f"rollout.workers={cfg.rollout.workers} drives {num_servers} servers: one worker per ~8 "
+                   "servers keeps the workflows' and rewards' CPU work off the critical path")
+    return out
 
 
 def config_to_dict(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -83,6 +83,7 @@ does not bump versions on its own: the learner calls `set_version` after the wei
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -693,6 +694,28 @@ class ReplayBuffer:
                            Cmd("hget", (self.keys.counters, f"restarts:{kind}")), idempotent=True)
         return int(n) if n is not None else 0
 
+    def _g_request_restart(self, role: str, reason: str) -> OpGen:
+        key = self.keys.restart_requests()
+        n = yield Call.one(f"ask for a restart of {role}", key,
+                           Cmd("rpush", (key, json.dumps({"role": role, "reason": reason}))), idempotent=False)
+        return int(n)
+
+    def _g_take_restart_requests(self) -> OpGen:
+        key = self.keys.restart_requests()
+        out = yield Call("take the restart requests", key, (Cmd("lrange", (key, 0, -1)), Cmd("delete", (key,))),
+                         idempotent=False, transaction=True)
+        return [json.loads(_s(x)) for x in out[0]]
+
+    def _g_push_in_flight(self, value: dict | None) -> OpGen:
+        key = self.keys.push_in_flight()
+        cmd = Cmd("delete", (key,)) if value is None else Cmd("set", (key, json.dumps(value)))
+        yield Call.one("mark a weight push " + ("ended" if value is None else "under way"), key, cmd, idempotent=True)
+
+    def _g_read_push_in_flight(self) -> OpGen:
+        key = self.keys.push_in_flight()
+        v = yield Call.one("read the weight push under way", key, Cmd("get", (key,)), idempotent=True)
+        return json.loads(_s(v)) if v is not None else None
+
     def _g_rollout_cursor(self, worker: int) -> OpGen:
         key = self.keys.rollout_cursor(worker)
         raw = yield Call.one(f"get rollout{worker}'s cursor", key, Cmd("get", (key,)), idempotent=True)
@@ -829,6 +852,23 @@ class ReplayBuffer:
         `restarts:<kind>` += 1; returns the new total. A learner polls `restarts("server")` to learn that a
         generation server came back without weights (it re-forms the weight group and pushes again)."""
         return self.endpoint.run(self._g_count_restart(kind))
+
+    def request_restart(self, role: str, reason: str) -> int:
+        """Ask the launcher to restart role `role` (e.g. "server3"), for `reason`; it takes the requests on
+        its next supervision tick (`take_restart_requests`). Returns the requests now waiting."""
+        return self.endpoint.run(self._g_request_restart(role, reason))
+
+    def take_restart_requests(self) -> list[dict]:
+        """The launcher's side: every waiting request ({"role", "reason"}), removed atomically."""
+        return self.endpoint.run(self._g_take_restart_requests())
+
+    def mark_push(self, value: dict | None) -> None:
+        """Learner rank 0: a push is under way (`value`: its version and backend), or (None) it ended."""
+        self.endpoint.run(self._g_push_in_flight(value))
+
+    def push_in_flight(self) -> dict | None:
+        """The push under way, as `mark_push` left it, or None."""
+        return self.endpoint.run(self._g_read_push_in_flight())
 
     def restarts(self, kind: str) -> int:
         """How many times the launcher restarted a role of `kind` in this run (one HGET)."""

@@ -68,6 +68,16 @@ class Keys:
     def rollout_cursor(self, worker: int) -> str:
         return f"{self.prefix}:rollout_cursor:{worker}"
 
+    def restart_requests(self) -> str:
+        """A list of roles the learner asks the launcher to restart (JSON {"role", "reason"}): generation
+        servers stuck inside an NCCL weight broadcast that will never complete (issue 40 item 1)."""
+        return f"{self.prefix}:restart_requests"
+
+    def push_in_flight(self) -> str:
+        """Set by learner rank 0 from a push's pause to its end ({"version", "backend"}): the launcher reads it
+        when the learner dies — servers in an NCCL broadcast then wait 30 minutes for a sender that is gone."""
+        return f"{self.prefix}:push_in_flight"
+
     def version_events(self) -> str:
         """A short stream the learner appends to on every `set_version` (after the SET): waiters on
         the staleness gate block on it (XREAD BLOCK) instead of sleeping a fixed poll interval."""

@@ -98,6 +98,15 @@ TRAINER_WEIGHT_GROUP_ENV: dict[str, str] = {
     "TORCHELASTIC_USE_AGENT_STORE": "False",
 }
 """Environment overlay for the learner processes (rank 0 joins the weight group)."""
+WEIGHT_SENDER_ENV: dict[str, str] = {
+    # torch reads it when each NCCL process group is built; its default, 3 (SkipCleanUp), makes the watchdog
+    # tear the whole process down when a collective times out or fails. 2 (CleanUpOnly) aborts the group's
+    # communicators and raises in the caller instead: a weight broadcast whose server answered early or died
+    # ends in a WeightPushError the learner recovers from (re-formed group, restarted server), not in a dead
+    # learner. Rank 0 alone sends weights; the other ranks keep torch's default.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+}
+"""Environment overlay for learner rank 0 of an NCCL (SGLang) run: the weight group's sender."""
 
 SECRET_FLAGS = frozenset({"--api-key", "--admin-api-key"})
 """Flags whose values are secrets: never put in argv (see `secret_config`); redacted by `redact_argv`."""

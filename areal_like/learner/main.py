@@ -56,6 +56,7 @@ After MAX_RESYNCS failed tries it raises and the learner exits non-zero.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -342,11 +343,17 @@ class Coordinator:
                     # outside a phase (start, re-sync, a phase a server's death broke): all memory back
                     # first, then the update pauses and continues the servers itself
                     await self.pusher.resume_memory(self._released_tags)
+                nccl = getattr(self.pusher, "backend", None) == "nccl"
+                if nccl:  # the launcher restarts the servers if this learner dies before it ends
+                    self.buffer.mark_push({"version": version, "backend": "nccl"})
                 res = await self.pusher.update(weights, version, paused=in_phase)
+                if nccl:
+                    self.buffer.mark_push(None)
             except WeightPushError as e:
                 err = e
                 reason = reason or "a weight push failed"
                 _log(f"weight sync of version {version} failed ({e}): re-syncing the servers")
+                await self._restart_stuck_servers()
                 continue
             again = " again" if self.pushed is not None and self.pushed[1] == version else ""
             self.pushed = (weights, version)
@@ -357,6 +364,30 @@ class Coordinator:
             return res
         raise WeightPushError(f"could not push version {version} to every server after {MAX_RESYNCS} re-sync(s) "
                               f"({reason}); last error: {err}")
+
+    async def _restart_stuck_servers(self) -> None:
+        """After a failed NCCL push, the servers whose update call never answered are inside a broadcast
+        that will not complete, and SGLang gives its side of the weight group torch's default 30-minute
+        timeout with no route to end it (tests/conformance checks SGLang's code for it): ask the launcher to
+        restart them (Redis `restart_requests`), then wait until it counted them back up — bounded by
+        server.health_timeout_s (900 s at least for SGLang, whose load takes minutes) — before the
+        re-sync re-forms the group. Gloo groups time out on both sides (weights.timeout_s): nothing to do."""
+        stuck = list(getattr(self.pusher, "stuck", []) or [])
+        if getattr(self.pusher, "backend", None) != "nccl" or not stuck:
+            return
+        before = self.buffer.restarts("server")
+        names = [f"server{self.pusher.server_urls.index(u)}" for u in stuck]
+        for name, url in zip(names, stuck):
+            self.buffer.request_restart(name, f"stuck in an NCCL weight broadcast at {url} after a failed push")
+        wait_s = max(self.cfg.server.health_timeout_s, 900.0)
+        _log(f"asked the launcher to restart {', '.join(names)} (stuck in the failed broadcast); waiting up to "
+             f"{wait_s:.0f} s for them")
+        deadline = time.monotonic() + wait_s
+        while self.buffer.restarts("server") < before + len(names):
+            if time.monotonic() > deadline:
+                raise WeightPushError(f"{', '.join(names)} did not come back within {wait_s:.0f} s after the launcher "
+                                      "was asked to restart them (server.health_timeout_s)")
+            await asyncio.sleep(1.0)
 
     def set_version(self, version: int) -> None:
         self.buffer.set_version(version)

@@ -49,6 +49,20 @@ class WeightGroup:
             raise RuntimeError(f"broadcast{' of ' + what if what else ''} from {peer} failed or timed out after "
                                f"{self.timeout_s:.0f}s in {self.describe()}: {e}") from e
 
+    def abort(self) -> bool:
+        """End the group's in-flight collectives now (NCCL: ncclCommAbort, so a broadcast whose peer
+        answered early or died returns with an error instead of at the timeout, and the learner goes on
+        to re-form the group). Gloo's abort does not interrupt a collective under way: there it ends at
+        the group's timeout. Returns whether an abort was issued."""
+        if self.pg is None or self.backend != "nccl":
+            return False
+        try:
+            self.pg.abort()
+        except Exception as e:  # noqa: BLE001 — best effort: the collective still ends at its timeout
+            log.warning("aborting %s: %s", self.describe(), e)
+            return False
+        return True
+
     def destroy(self) -> None:
         try:
             dist.destroy_process_group(self.pg)

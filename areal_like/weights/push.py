@@ -120,6 +120,8 @@ class WeightPusher(ServerAdmin):
         self.base_group_name = group_name
         self.reforms = 0  # groups re-formed so far (the k of `<group_name>_r<k>`)
         self._collective: asyncio.Future | None = None  # the collective thread of the last call, if any
+        self.stuck: list[str] = []  # servers whose call had not answered when the last push failed
+        self.aborted_groups = 0  # groups aborted after an early failure (NCCL)
 
     # ---------------------------------------------------------------- collectives
     async def _with_collective(self, http: list[asyncio.Task], collective, *, replies: bool = True) -> list:
@@ -140,12 +142,27 @@ class WeightPusher(ServerAdmin):
                     except Exception as e:  # the collective (RuntimeError naming the group and peer)
                         raise WeightPushError(str(e)) from e
         except BaseException:
+            # Servers whose call had not answered are still inside the collective (or about to enter it):
+            # with NCCL, SGLang's side of the group has torch's default 30-minute timeout and no route to
+            # end it — the learner asks the launcher to restart them (`stuck`, learner/main.py).
+            self.stuck = [u for u, t in zip(self._http_urls(http), http) if not t.done()]
             for t in http:
                 t.cancel()
-            # The collective thread cannot be interrupted; it ends at the group's timeout (`reform`
-            # waits for it before it destroys the group).
+            # NCCL: abort the group, so the collective thread ends now rather than at the group's timeout
+            # (TORCH_NCCL_ASYNC_ERROR_HANDLING=2 on the learner's rank 0 keeps the process alive through
+            # it). Gloo's cannot be interrupted: it ends at the timeout (`reform` waits for it).
+            if coll in pending and self.group is not None and self.group.abort():
+                self.aborted_groups += 1
             raise
         return [t.result() for t in http] if replies else []
+
+    def _http_urls(self, http: list[asyncio.Task]) -> list[str]:
+        """The server URL of each pending call (`_post` tasks carry it as their name)."""
+        return [t.get_name() for t in http]
+
+    def _send(self, url: str, route: str, body: dict) -> asyncio.Task:
+        """POST `body` to `url``route` as a task named by its server (see `stuck`)."""
+        return asyncio.get_running_loop().create_task(self._post(url, route, body), name=url)
 
     # ---------------------------------------------------------------- API
     async def init(self) -> None:
@@ -160,7 +177,7 @@ class WeightPusher(ServerAdmin):
             body = {"master_address": self.master_addr, "master_port": self.master_port, "rank_offset": offset,
                     "world_size": self.world_size, "group_name": self.group_name, "backend": self.backend}
             # The server answers only once every rank joined: send first, join as rank 0, then collect.
-            http.append(asyncio.ensure_future(self._post(url, "/init_weights_update_group", body)))
+            http.append(self._send(url, "/init_weights_update_group", body))
             offset += ndev
         box: list[WeightGroup] = []
 
@@ -226,6 +243,7 @@ class WeightPusher(ServerAdmin):
         """
         if self.group is None:
             raise WeightPushError("update() before init(): the weight group does not exist")
+        self.stuck = []
         t0 = time.perf_counter()
         dt = self.dtype
         src = as_source(weights)
@@ -275,15 +293,13 @@ class WeightPusher(ServerAdmin):
                 # A gathering source is filled before the servers are asked to receive: they wait in
                 # the broadcast only as long as it takes.
                 buf = await next_flat
-                http = [asyncio.ensure_future(self._post(u, route, body))
-                        for u in self.server_urls]
+                http = [self._send(u, route, body) for u in self.server_urls]
                 # In memory: fill the next bucket into the other buffer while this one is broadcast.
                 next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i + 1)) if overlap and not last else None
                 total_bytes += buf.numel()
                 coll = lambda buf=buf, i=i: self.group.broadcast(buf, 0, what=f"bucket {i}")  # noqa: E731
             else:
-                http = [asyncio.ensure_future(self._post(u, route, body))
-                        for u in self.server_urls]
+                http = [self._send(u, route, body) for u in self.server_urls]
                 total_bytes += sum(meta_nbytes(meta[j], dt) for j in idx)
 
                 def coll(idx=idx):

@@ -582,3 +582,50 @@ def test_lora_pushes_reach_sglangs_own_lora_path_and_requests_resolve_to_the_new
     assert seq[pauses[1]:pauses[2]] == ["pause", "lora_load", "weight_version", "flush", "continue"], seq
     assert seq[pauses[2]:pauses[3]] == ["pause", "lora_unload", "lora_load", "weight_version", "flush", "continue"], seq
     assert {e["lora_name"] for e in loads} == {"policy"}
+
+
+_WEIGHT_GROUP_TIMEOUT = r"""
+# Read as source (importing these modules pulls SGLang's GPU dependencies, absent here), with Python's ast.
+import ast, importlib.util, json, os
+from torch.distributed.distributed_c10d import default_pg_timeout
+
+root = os.path.dirname(importlib.util.find_spec("sglang").origin)
+def tree(rel):
+    with open(os.path.join(root, rel)) as f:
+        return ast.parse(f.read())
+def find(t, kind, name):
+    return next(n for n in ast.walk(t) if isinstance(n, kind) and n.name == name)
+
+req = find(tree("srt/managers/io_struct.py"), ast.ClassDef, "InitWeightsUpdateGroupReqInput")
+fields = [n.target.id for n in req.body if isinstance(n, ast.AnnAssign)]
+runner = find(tree("srt/model_executor/model_runner_components/weight_updater.py"), ast.FunctionDef,
+              "init_weights_update_group")
+calls = [n for n in ast.walk(runner) if isinstance(n, ast.Call)
+         and getattr(n.func, "id", getattr(n.func, "attr", "")) == "init_custom_process_group"]
+fn = find(tree("srt/utils/common.py"), ast.FunctionDef, "init_custom_process_group")
+args = [a.arg for a in fn.args.args]
+defaults = dict(zip(args[len(args) - len(fn.args.defaults):], fn.args.defaults))
+to_default = any(isinstance(n, ast.If) and "timeout is None" in ast.unparse(n.test)
+                 and "timeout = default_pg_timeout" in ast.unparse(n) for n in ast.walk(fn))
+print(json.dumps({"fields": fields, "call_keywords": [[k.arg for k in c.keywords] for c in calls],
+                  "default_none": isinstance(defaults.get("timeout"), ast.Constant) and defaults["timeout"].value is None,
+                  "none_means_default_pg_timeout": to_default,
+                  "default_pg_timeout_s": default_pg_timeout.total_seconds()}))
+"""
+
+
+def test_sglangs_side_of_the_weight_group_waits_30_minutes_and_takes_no_timeout():
+    """Issue 40 item 1, read from SGLang's own code: `/init_weights_update_group` takes no timeout, the
+    model runner creates its side of the group without one, and `init_custom_process_group` then uses
+    torch's `default_pg_timeout` (30 minutes). A server inside a broadcast whose sender failed or died
+    therefore waits 30 minutes, and no route ends that wait — which is why the learner asks the launcher to
+    restart the servers a failed NCCL push left behind, and the launcher restarts every server when the
+    learner dies inside one (tests/integration/test_restart_budgets.py). Should a release take a timeout,
+    this fails, and the pusher should send `weights.timeout_s` instead."""
+    out = subprocess.run([PY, "-c", _WEIGHT_GROUP_TIMEOUT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "timeout" not in facts["fields"] and "master_address" in facts["fields"], facts
+    assert facts["call_keywords"] and all("timeout" not in kw for kw in facts["call_keywords"]), facts
+    assert facts["default_none"] and facts["none_means_default_pg_timeout"], facts
+    assert facts["default_pg_timeout_s"] == 1800.0, facts

@@ -97,3 +97,26 @@ def test_servers_with_another_torch_release_are_refused_naming_both(tmp_path, de
     assert f"torch {version('torch')}" in out and "torch 2.14.1" in out, out[-3000:]
     assert "scripts/setup.sh --sglang" in out
     assert not run_dir.exists()
+
+
+def test_a_gpu_run_gets_gpu_defaults_and_is_told_of_cpu_demo_values(tmp_path, demo_assets):
+    """Item 6: without a config file, `launcher run` of SGLang servers used to train in fp32 at the CPU
+    demo's lr 1e-3 with 8 new tokens and a 256-token prompt limit. The keys left at those defaults get
+    verl's values, printed at start; the values a user sets stay, and those that only make sense on CPU
+    are named. (This run is then refused for its 32 GPUs: the lines come before anything starts.)"""
+    _need_sglang_env()
+    model, data = demo_assets
+    env = _gpus_on_path(tmp_path, 8)
+    rc, out = launcher_cli("run", "--allocation", "sglang.d16p1m1+d8p2m1", "--run-dir", str(tmp_path / "run"),
+                           f"model.path={model}", f"data.train_files=[{data}]", f"server.python={SGLANG_PY}",
+                           "generation.max_new_tokens=16", env=env, timeout=300)
+    assert rc == 2 and "--backend ray" in out, out[-3000:]
+    assert "GPU run default: model.dtype: float32 → bfloat16" in out
+    assert "GPU run default: train.lr: 0.001 → 1e-06" in out
+    assert "GPU run default: data.max_prompt_length: 256 → 512" in out
+    assert "generation.max_new_tokens" not in out.split("GPU run default")[-1].split("\n")[0]  # set: kept
+    warn = "warning, a CPU-demo value in a GPU run: "
+    assert f"{warn}generation.max_new_tokens=16" in out
+    assert f"{warn}train.batch_size × generation.n = 32 samples per step for 16 SGLang server(s)" in out
+    assert f"{warn}rollout.workers=1 drives 16 servers" in out
+    assert f"{warn}model.dtype" not in out  # bfloat16 now

@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = os.environ.get("AREAL_LIKE_SGLANG_CONFORMANCE_PYTHON", str(ROOT / ".venv-sglang-conformance" / "bin" / "python"))
 
 
-def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event) -> None:
-    """What `ps` shows: every sglang.launch_server command line, read from /proc while the run lasts."""
+def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event, learners: dict[int, dict] | None = None) -> None:
+    """What `ps` shows: every sglang.launch_server command line, read from /proc while the run lasts (and
+    into `learners`, each learner process's environment)."""
+    learners = {} if learners is None else learners
     while not stop.is_set():
         for pid in os.listdir("/proc"):
             if pid.isdigit() and int(pid) not in seen:
@@ -36,6 +38,13 @@ def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event) -> None:
                     continue
                 if "sglang.launch_server" in cmd:
                     seen[int(pid)] = cmd.replace("\0", " ")
+                elif "areal_like.learner.main" in cmd:  # learner rank 0 (this run has one rank): its environment
+                    try:
+                        env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+                    except OSError:
+                        continue
+                    learners[int(pid)] = {"cmd": cmd.replace("\0", " "),
+                                          **dict(kv.split("=", 1) for kv in env if "=" in kv)}
         stop.wait(0.02)
 
 
@@ -55,7 +64,8 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
     env = {"PATH": os.pathsep.join([str(bindir), os.environ.get("PATH", "")])}
     seen: dict[int, str] = {}
     stop = threading.Event()
-    watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop), daemon=True)
+    learners: dict[int, dict] = {}
+    watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop, learners), daemon=True)
     watcher.start()
     try:
         rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--allocation", "sglang.d1p1t1+d1p1t1",
@@ -76,6 +86,11 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
         assert f"--config {secrets}" in cmd, cmd
         assert admin not in cmd and "user-key-0123456789" not in cmd and "api-key" not in cmd, cmd
     assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    # issue 40 item 1: rank 0 sends the weights over NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so a failed
+    # broadcast raises (and the group is re-formed) instead of the watchdog tearing the learner down
+    mine_learners = [e for e in learners.values() if f"--run-dir {run_dir} " in e["cmd"] and e.get("RANK") == "0"]
+    assert mine_learners, "learner rank 0 was not seen"
+    assert all(e.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "2" for e in mine_learners), mine_learners
     assert yaml.safe_load(secrets.read_text()) == {"api-key": "user-key-0123456789", "admin-api-key": admin}
     # SGLang's own parser took the argv (a refused flag exits 2 with "unrecognized arguments")
     log = (run_dir / "logs" / "server0.log").read_text(errors="replace")

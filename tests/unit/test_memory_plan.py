@@ -219,7 +219,7 @@ def test_launcher_run_refuses_a_plan_over_its_cuda_devices(tmp_path: Path, demo_
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 100\necho 100\n")
+    smi.write_text("#!/bin/sh\necho '0, 100'\necho '1, 100'\n")  # --query-gpu=index,memory.total
     smi.chmod(0o755)
     model, data = demo_assets
     run_dir = tmp_path / "run"

@@ -366,3 +366,23 @@ def test_lora_flags_are_sglangs_runtime_lora_and_a_release_without_them_is_refus
         build("sglang:d1+fsdp:d1", None, lora_rank=16, lora_targets=targets, supported_flags=old)
     with pytest.raises(SGLangArgsError, match="lora_targets"):
         build("sglang:d1+fsdp:d1", None, lora_rank=16)
+
+
+def test_the_weight_senders_nccl_error_mode_aborts_without_tearing_down():
+    """Issue 40 item 1, read from the torch the learner runs (its C++ header ships in the wheel): the
+    value learner rank 0 gets for TORCH_NCCL_ASYNC_ERROR_HANDLING is CleanUpOnly — the watchdog aborts the
+    failed group's communicators and does not tear the process down, as the default (3, SkipCleanUp)
+    does — so a failed weight broadcast ends in an error the learner recovers from."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from areal_like.engine.sglang_args import WEIGHT_SENDER_ENV
+
+    header = (Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp").read_text()
+    modes = {name: int(v) for name, v in re.findall(r"\b(NoHandling|TearDown|CleanUpOnly|SkipCleanUp) = (\d)", header)}
+    assert modes == {"NoHandling": 0, "TearDown": 1, "CleanUpOnly": 2, "SkipCleanUp": 3}
+    assert "#define SHOULD_TEAR_DOWN(a) (a != NoHandling && a != CleanUpOnly)" in header
+    assert '"TORCH_NCCL_ASYNC_ERROR_HANDLING"' in header
+    assert int(WEIGHT_SENDER_ENV["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == modes["CleanUpOnly"]
