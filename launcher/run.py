@@ -244,10 +244,15 @@ def _check_devices(cfg, alloc) -> None:
     """Issue 40: the local backend refuses an allocation larger than this machine's GPUs (naming
     `--backend ray`) and SGLang on a machine without one; SGLang servers must run the learner's torch
     release (launcher/devices.py). Before the run dir is created or anything starts."""
-    from launcher.devices import DeviceCheckError, check_local_devices, check_torch_pairing, cuda_gpus, uses_cuda
+    from launcher.devices import (DeviceCheckError, check_local_devices, check_torch_pairing, colocated_ray_refusal,
+                                  cuda_gpus, uses_cuda)
 
     try:
-        if uses_cuda(cfg, alloc):
+        if cfg.launcher.backend == "ray":
+            why = colocated_ray_refusal(cfg.allocation, cuda=uses_cuda(cfg, alloc))
+            if why:
+                raise DeviceCheckError(why)
+        elif uses_cuda(cfg, alloc):
             check_local_devices(cfg, alloc, cuda_gpus())
         if alloc.generation.backend == "sglang":
             check_torch_pairing(_server_python(cfg))

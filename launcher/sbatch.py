@@ -147,6 +147,13 @@ def cmd_sbatch(args) -> int:
     if not os.path.exists(args.config):
         print(f"launcher sbatch: --config {args.config} does not exist", file=sys.stderr)
         return 2
+    from launcher.devices import colocated_ray_refusal
+
+    # the script runs `launcher run --backend ray` on GPU nodes (devices_per_node GPUs each)
+    why = colocated_ray_refusal(args.allocation, cuda=bool(args.devices_per_node))
+    if why:
+        print(f"launcher sbatch: {why}", file=sys.stderr)
+        return 2
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

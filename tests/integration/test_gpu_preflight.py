@@ -120,3 +120,19 @@ def test_a_gpu_run_gets_gpu_defaults_and_is_told_of_cpu_demo_values(tmp_path, de
     assert f"{warn}train.batch_size × generation.n = 32 samples per step for 16 SGLang server(s)" in out
     assert f"{warn}rollout.workers=1 drives 16 servers" in out
     assert f"{warn}model.dtype" not in out  # bfloat16 now
+
+
+def test_colocated_cuda_under_ray_is_refused_naming_the_combination(tmp_path, demo_assets):
+    """Item 2: Ray reserves every role's GPU for it alone, so a co-located server and learner rank asked
+    twice for one GPU (the placement group never became ready). `launcher run --backend ray` and `launcher
+    sbatch` (whose script runs it) refuse the combination before Ray is started, naming both ways out."""
+    _need_sglang_env()
+    rc, out, run_dir = _run(tmp_path, demo_assets, "sglang:d1|fsdp:d1", f"server.python={SGLANG_PY}",
+                            "launcher.backend=ray", gpus=0)
+    assert rc == 2, out[-3000:]
+    assert "co-locates generation and training" in out and "drop --backend ray" in out, out[-3000:]
+    assert "'sglang:d1+fsdp:d1'" in out
+    assert not run_dir.exists()
+    rc, out = launcher_cli("sbatch", "--allocation", "sglang:d8|fsdp:d8", "--nodes", "1", "--devices-per-node", "8",
+                           "--config", "configs/demo.yaml", timeout=120)
+    assert rc == 2 and "co-locates generation and training" in out, out[-3000:]
