@@ -756,16 +756,21 @@ class Trainer:
         return time.perf_counter() - t0
 
     def serve_command(self, cmd: str) -> None:
-        """A follower runs rank 0's `leader_command`: `gather <role> <i,j,…>` = its part of rank 0's
-        reading those tensors of that model (`GatheredWeights.open`); `sleep all -` = `sleep()`."""
-        verb, role, idx = cmd.split(" ", 2)
+        """A follower runs rank 0's `leader_command`: `gather <role> <dtype|-> <i,j,…>` = its part of rank 0's
+        reading those tensors of that model in that dtype (`GatheredWeights.open`); `sleep all -` = `sleep()`."""
+        verb, role, rest = cmd.split(" ", 2)
         if verb == "sleep":
             self.sleep()
             return
         model = {"actor": self.actor, "critic": self.critic}.get(role) if verb == "gather" else None
         if model is None:
             raise RuntimeError(f"learner rank {self.layout.rank}: unknown command from rank 0: {cmd[:80]!r}")
-        for _ in model.weights().open([int(i) for i in idx.split(",")]):  # collective; None here
+        from areal_like.learner.parallel.sharded_model import parse_dtype_word
+
+        word, idx = rest.split(" ", 1)
+        src = model.weights()
+        src.wire_dtype = parse_dtype_word(word)  # the same cast as rank 0's, before the same gathers
+        for _ in src.open([int(i) for i in idx.split(",")]):  # collective; None here
             pass
 
     def full_state(self) -> list[tuple[str, torch.Tensor]]:

@@ -83,6 +83,16 @@ class AdapterWeights:
     def open(self, indices: Sequence[int]):
         return self.source.open(indices)
 
+    @property
+    def wire_dtype(self):
+        """The dtype the wrapped source gathers in (`weights.source.gather_in`)."""
+        return getattr(self.source, "wire_dtype", None)
+
+    @wire_dtype.setter
+    def wire_dtype(self, dtype) -> None:
+        if hasattr(self.source, "wire_dtype"):
+            self.source.wire_dtype = dtype
+
 
 def is_adapter(weights: Any) -> bool:
     return getattr(weights, "adapter_config", None) is not None

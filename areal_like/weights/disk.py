@@ -107,6 +107,32 @@ class SafetensorsDir:
                     raise ValueError(f"{full}: tensor {name!r} is cut short (the file is truncated)")
         return t
 
+    def shape(self, name: str) -> list[int]:
+        return list(self._where[name][1]["shape"])
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` along its first dimension: one contiguous read of those
+        bytes alone (a sharded learner rank reads the part it holds, not the whole tensor)."""
+        full, entry, data = self._where[name]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{full}: tensor {name!r} has dtype {entry['dtype']}, which this reader does not know")
+        shape = list(entry["shape"])
+        if not shape:
+            return self[name]
+        row = dtype.itemsize
+        for d in shape[1:]:
+            row *= d
+        begin = entry["data_offsets"][0] + start * row
+        t = torch.empty([stop - start, *shape[1:]], dtype=dtype)
+        n = (stop - start) * row
+        if n > 0:
+            with open(full, "rb") as f:
+                f.seek(data + begin)
+                if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != n:
+                    raise ValueError(f"{full}: tensor {name!r} is cut short (the file is truncated)")
+        return t
+
     def keys(self) -> list[str]:
         return list(self._where)
 

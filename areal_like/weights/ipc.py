@@ -36,7 +36,8 @@ from areal_like import metrics
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.push import FlatBuffers
 from areal_like.weights.receive import parse_dtype, unflatten_bucket
-from areal_like.weights.source import WeightSource, as_source, fill_bucket, meta_nbytes, plan_buckets, wire_dtype_of
+from areal_like.weights.source import (WeightSource, as_source, fill_bucket, gather_in, meta_nbytes, plan_buckets,
+                                       wire_dtype_of)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class CudaIpcWeightPusher(ServerAdmin):
             raise WeightPushError("update() before init(): call init() first")
         t0 = time.perf_counter()
         dt = self.dtype
-        src = as_source(weights)
+        src = gather_in(as_source(weights), dt)
         meta = src.meta
         buckets = plan_buckets(meta, self.bucket_bytes, dt)
         if not paused:

@@ -36,8 +36,8 @@ from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushE
 from areal_like.api.net import free_port
 from areal_like.weights.group import WeightGroup, init_weight_group
 from areal_like.weights.receive import dtype_name, parse_dtype
-from areal_like.weights.source import (LocalWeights, WeightSource, as_source, fill_bucket, meta_nbytes, plan_buckets,
-                                       wire_dtype_of)
+from areal_like.weights.source import (LocalWeights, WeightSource, as_source, fill_bucket, gather_in, meta_nbytes,
+                                       plan_buckets, wire_dtype_of)
 
 log = logging.getLogger(__name__)
 
@@ -234,9 +234,9 @@ class WeightPusher(ServerAdmin):
 
         `weights`: a `WeightSource` (a sharded learner's gathers one bucket at a time) or a list of
         (name, tensor). Buckets are planned from its metadata; each is filled tensor by tensor, cast
-        to the servers' dtype on the way. A source in memory has the next bucket filled while one
-        is on the wire (two buffers); a gathering source one bucket at a time (one buffer), so the
-        sending rank holds at most one bucket plus the tensor being gathered beyond its shard.
+        to the servers' dtype on the way (a gathering source casts its shards before it gathers them:
+        `gather_in`). The next bucket is filled while one is on the wire (two buffers), so the sending
+        rank holds at most two buckets plus the tensor being gathered beyond its shard.
 
         On failure the servers stay paused (their weights may be partly new): retry the push, or
         reload from disk, then `resume()`.
@@ -246,72 +246,79 @@ class WeightPusher(ServerAdmin):
         self.stuck = []
         t0 = time.perf_counter()
         dt = self.dtype
-        src = as_source(weights)
+        src = gather_in(as_source(weights), dt)
         meta = src.meta
         # A LoRA learner's push: the adapter's tensors, loaded by the servers as the run's adapter
         # (our route; SGLang has no distributed one for adapters — its LoRA runs push through disk)
         adapter = is_adapter(weights)
         route = "/load_lora_adapter_from_distributed" if adapter else "/update_weights_from_distributed"
         buckets = plan_buckets(meta, self.bucket_bytes, dt)
-        overlap = not src.gathers
         device = src.device
         total_bytes = 0
 
         def flatten(i: int) -> torch.Tensor:
             idx = buckets[i]
             nbytes = sum(meta_nbytes(meta[j], dt) for j in idx)
-            buf = self._flat.get(i if overlap else 0, nbytes, device)
+            buf = self._flat.get(i, nbytes, device)
             return fill_bucket(src.open(idx), [meta[j] for j in idx], buf, dt)
 
         # The first bucket is filled before the pause: generation does not wait for it.
         next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, 0)) if self.flattened and buckets else None
-        if not paused:
-            await self.pause("abort")
         t_paused = time.perf_counter()
-        await self._begin_or_end("/begin_weight_update")
-        unanswered: list[asyncio.Future] = []  # overlap_loads: the replies of earlier buckets
-        for i, idx in enumerate(buckets):
-            last = i == len(buckets) - 1
-            if self.flattened and next_flat is None:  # one buffer: fill this bucket after the last one left
-                next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i))
-            body = {
-                "names": [meta[j][0] for j in idx],
-                "dtypes": [dtype_name(wire_dtype_of(meta[j][2], dt)) for j in idx],
-                "shapes": [list(meta[j][1]) for j in idx],
-                "group_name": self.group_name,
-                # No flush per bucket (0.5.5–0.5.21: a flush while requests run kills the scheduler); one
-                # /flush_cache per update below, once every bucket landed.
-                "flush_cache": False,
-                "abort_all_requests": False,
-                # Only the last bucket sets the version: a server never reports a half-landed one.
-                "weight_version": str(version) if last else None,
-                "load_format": "flattened_bucket" if self.flattened else None,
-            }
-            if adapter:
-                body.update(lora_name=ADAPTER_NAME, config_dict=weights.adapter_config)
-            if self.flattened:
-                # A gathering source is filled before the servers are asked to receive: they wait in
-                # the broadcast only as long as it takes.
-                buf = await next_flat
-                http = [self._send(u, route, body) for u in self.server_urls]
-                # In memory: fill the next bucket into the other buffer while this one is broadcast.
-                next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i + 1)) if overlap and not last else None
-                total_bytes += buf.numel()
-                coll = lambda buf=buf, i=i: self.group.broadcast(buf, 0, what=f"bucket {i}")  # noqa: E731
-            else:
-                http = [self._send(u, route, body) for u in self.server_urls]
-                total_bytes += sum(meta_nbytes(meta[j], dt) for j in idx)
+        try:
+            if not paused:
+                await self.pause("abort")
+            t_paused = time.perf_counter()
+            await self._begin_or_end("/begin_weight_update")
+            unanswered: list[asyncio.Future] = []  # overlap_loads: the replies of earlier buckets
+            for i, idx in enumerate(buckets):
+                last = i == len(buckets) - 1
+                body = {
+                    "names": [meta[j][0] for j in idx],
+                    "dtypes": [dtype_name(wire_dtype_of(meta[j][2], dt)) for j in idx],
+                    "shapes": [list(meta[j][1]) for j in idx],
+                    "group_name": self.group_name,
+                    # No flush per bucket (0.5.5–0.5.21: a flush while requests run kills the scheduler); one
+                    # /flush_cache per update below, once every bucket landed.
+                    "flush_cache": False,
+                    "abort_all_requests": False,
+                    # Only the last bucket sets the version: a server never reports a half-landed one.
+                    "weight_version": str(version) if last else None,
+                    "load_format": "flattened_bucket" if self.flattened else None,
+                }
+                if adapter:
+                    body.update(lora_name=ADAPTER_NAME, config_dict=weights.adapter_config)
+                if self.flattened:
+                    # A gathering source is filled before the servers are asked to receive: they wait in
+                    # the broadcast only as long as it takes.
+                    buf = await next_flat
+                    http = [self._send(u, route, body) for u in self.server_urls]
+                    # Bucket i+1 is filled into the other buffer while this one is broadcast — a sharded learner's
+                    # gathered from the shards (in the servers' dtype) meanwhile, so its gathers no longer add to
+                    # the pause window (issue 40 item 7); rank 0 then holds two buckets.
+                    next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, i + 1)) if not last else None
+                    total_bytes += buf.numel()
+                    coll = lambda buf=buf, i=i: self.group.broadcast(buf, 0, what=f"bucket {i}")  # noqa: E731
+                else:
+                    http = [self._send(u, route, body) for u in self.server_urls]
+                    total_bytes += sum(meta_nbytes(meta[j], dt) for j in idx)
 
-                def coll(idx=idx):
-                    for n, t in src.open(idx):  # cast one tensor at a time, right before it is sent
-                        self.group.broadcast(t.detach().to(wire_dtype(t, dt)).contiguous(), 0, what=f"tensor {n!r}")
-                        del t
-            if self.overlap_loads:
-                unanswered += http
-                await self._with_collective(unanswered, coll, replies=last)
-                unanswered = [t for t in unanswered if not t.done()]  # the done ones were checked
-            else:
-                await self._with_collective(http, coll)
+                    def coll(idx=idx):
+                        for n, t in src.open(idx):  # cast one tensor at a time, right before it is sent
+                            self.group.broadcast(t.detach().to(wire_dtype(t, dt)).contiguous(), 0, what=f"tensor {n!r}")
+                            del t
+                if self.overlap_loads:
+                    unanswered += http
+                    await self._with_collective(unanswered, coll, replies=last)
+                    unanswered = [t for t in unanswered if not t.done()]  # the done ones were checked
+                else:
+                    await self._with_collective(http, coll)
+        except BaseException:
+            # A failed bucket may leave the next one's fill running: a sharded learner's runs the pool's
+            # gathers, which must end before anything else uses the pool (a retry's gathers).
+            if next_flat is not None and not next_flat.done():
+                await asyncio.wait({next_flat})
+            raise
         await self._begin_or_end("/end_weight_update")
         # One cache flush per update, before continue: SGLang keeps finished and aborted requests'
         # prefixes in its radix cache, so a resubmitted prefix would continue on the old weights' KV

@@ -47,6 +47,15 @@ class LocalWeights:
             yield self._tensors[i]
 
 
+def gather_in(src: WeightSource, dtype: torch.dtype | None) -> WeightSource:
+    """Ask a gathering source (a sharded learner's) to gather its floating-point tensors in `dtype`, the
+    servers' (issue 40 item 7: the shards are cast before the all-gather and the stage transfer, so an
+    fp32 master crosses the pool as bf16 for bf16 servers); a source without the knob is left as it is."""
+    if dtype is not None and hasattr(src, "wire_dtype"):
+        src.wire_dtype = dtype  # type: ignore[attr-defined]
+    return src
+
+
 def as_source(weights: WeightSource | Sequence[tuple[str, torch.Tensor]]) -> WeightSource:
     """A `WeightSource` as it is; a list of (name, tensor) wrapped in `LocalWeights`."""
     return weights if hasattr(weights, "open") and hasattr(weights, "meta") else LocalWeights(weights)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
 from areal_like.learner.lora import LoraSettings
 from areal_like.learner.trainer import Trainer
-from areal_like.weights.source import plan_buckets
+from areal_like.weights.source import gather_in, plan_buckets
 
 pytestmark = pytest.mark.integration
 
@@ -59,10 +59,11 @@ LORA_ALG = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
 LORA_KEYS = ("loss", "grad_norm", "kl_ref", "clipfrac", "optimizer_steps")
 
 
-def _read_as_a_push_does(ln: Trainer) -> list:
+def _read_as_a_push_does(ln: Trainer, wire_dtype: torch.dtype | None = None) -> list:
     """The actor's full weights as rank 0's pusher reads them: small buckets, each gathered from
-    the shards as it goes while the other ranks serve the gathers from their `leader_ready` wait."""
-    src = ln.weight_source()
+    the shards as it goes while the other ranks serve the gathers from their `leader_ready` wait.
+    `wire_dtype`: as a push to servers of that dtype reads them (the shards cast before the gathers)."""
+    src = gather_in(ln.weight_source(), wire_dtype)
     out = []
     if ln.layout.rank == 0:
         for idx in plan_buckets(src.meta, 2048):
@@ -92,7 +93,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
             st = ln.train_step(groups, version=0)
             grads = ln.named_full_grads()
             weights = _read_as_a_push_does(ln)
+            bf16 = _read_as_a_push_does(ln, torch.bfloat16)
             if rank == 0:
+                save_file({n: t.contiguous() for n, t in bf16}, os.path.join(out_dir, f"{name}.bf16.safetensors"))
                 save_file({n: t.contiguous() for n, t in grads}, os.path.join(out_dir, f"{name}.grads.safetensors"))
                 save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.weights.safetensors"))
                 with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
@@ -240,6 +243,13 @@ def test_one_step_matches_single_process(layout, reference, parallel_runs):
     for n in ref_weights:
         torch.testing.assert_close(weights[n], ref_weights[n], atol=1e-5, rtol=1e-5,
                                    msg=lambda m, n=n: f"weight {n}: {m}")
+    # a push to bf16 servers gathers the shards cast to bf16 (issue 40 item 7): the same values as the fp32
+    # read cast afterwards, bit for bit, in half the bytes
+    bf16 = load_file(os.path.join(parallel_runs, f"{layout}.bf16.safetensors"))
+    assert set(bf16) == set(weights)
+    for n, t in weights.items():
+        assert bf16[n].dtype == (torch.bfloat16 if t.is_floating_point() else t.dtype), n
+        assert torch.equal(bf16[n], t.to(bf16[n].dtype)), n
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[2] + LAYOUTS[4])

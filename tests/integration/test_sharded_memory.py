@@ -12,7 +12,8 @@ Pushing: two learner ranks (gloo, `train.dp_sharding=full`: every parameter is a
 in 4 MiB buckets, the other rank joining each bucket's all-gathers from its `leader_ready` wait, as
 the learner's main loop does. Rank 0 measures its own resident memory from outside the allocator:
 the kernel's peak (VmHWM, reset through /proc/self/clear_refs right before the push) minus the
-resident size then. That must stay within one bucket plus the largest tensor — plus a fixed
+resident size then. That must stay within two buckets (one on the wire while the next is gathered:
+issue 40 item 7) plus the largest tensor — plus a fixed
 allowance of ALLOWANCE_MIB for what the push's machinery itself touches (aiohttp buffers, the
 worker thread's stack, gloo's pair buffers), which does not grow with the model. A push that
 gathered the whole model first (what it did before) would need ~90 MB more.
@@ -140,10 +141,10 @@ def test_sharded_learner_builds_and_pushes_without_holding_the_model(model_dir, 
     assert res["buckets"] >= 10 and res["bytes"] == res["model_bytes"], res
     print(f"push: {res['buckets']} buckets, rank 0 grew by {res['extra_bytes'] / 2**20:.1f} MiB "
           f"(model {res['model_bytes'] / 2**20:.0f} MiB)")
-    bound = BUCKET + res["largest_bytes"] + (ALLOWANCE_MIB << 20)
+    bound = 2 * BUCKET + res["largest_bytes"] + (ALLOWANCE_MIB << 20)
     assert res["extra_bytes"] <= bound, (
-        f"rank 0 grew by {res['extra_bytes'] / 2**20:.1f} MiB during the push: more than one bucket "
-        f"({BUCKET / 2**20:.0f} MiB) + the largest tensor ({res['largest_bytes'] / 2**20:.1f} MiB) + "
+        f"rank 0 grew by {res['extra_bytes'] / 2**20:.1f} MiB during the push: more than two buckets "
+        f"(2 × {BUCKET / 2**20:.0f} MiB) + the largest tensor ({res['largest_bytes'] / 2**20:.1f} MiB) + "
         f"{ALLOWANCE_MIB} MiB (the model is {res['model_bytes'] / 2**20:.0f} MiB)")
     for rank in range(2):
         with open(f"{out}.build{rank}") as f:

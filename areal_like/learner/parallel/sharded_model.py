@@ -87,6 +87,29 @@ def _sharded_dims(t: torch.Tensor) -> str:
     return "+".join(sorted(n for n, pl in zip(names, t.placements) if pl.is_shard() or isinstance(pl, _StridedShard)))
 
 
+def _own_part(full: Mapping[str, torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor | None:
+    """This rank's block of tensor `name` read alone from a file source that can read row ranges
+    (`SafetensorsDir.read_rows`): for a DTensor sharded with plain Shard/Replicate placements, the rows
+    of its block along dim 0 (one contiguous read), then the block's columns of those — a rank of d×t
+    reads ~1/d of each FSDP-sharded tensor instead of all of it. None: read the full tensor (a dict
+    source, a plain tensor, other placements)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    read_rows = getattr(full, "read_rows", None)
+    if read_rows is None or not isinstance(t, DTensor) or t.ndim == 0:
+        return None
+    if not all(type(p) in (Shard, Replicate) for p in t.placements) or list(full.shape(name)) != list(t.shape):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    block = read_rows(name, offset[0], offset[0] + shape[0])
+    for d in range(1, len(shape)):
+        if shape[d] != t.shape[d]:
+            block = block.narrow(d, offset[d], shape[d])
+    # a layout whose local tensor is not that block (padding, strided sharding): the full read
+    return block if tuple(block.shape) == tuple(t.to_local().shape) else None
+
+
 def load_full_into(local: list[tuple[str, torch.Tensor]], full: Mapping[str, torch.Tensor], where: str, *,
                    tied: bool, masters: Mapping[str, torch.Tensor] | None = None,
                    fresh: Mapping[str, Callable[[torch.Tensor], Any]] | None = None) -> None:
@@ -108,6 +131,13 @@ def load_full_into(local: list[tuple[str, torch.Tensor]], full: Mapping[str, tor
                 if tied and name == "lm_head.weight":
                     continue  # tied to model.embed_tokens.weight, loaded through it
                 raise KeyError(f"{where} lacks {name}")
+            part = _own_part(full, name, t)
+            if part is not None:  # this rank's block alone, read from the file (issue 40 item 8)
+                for dst in (t, masters.get(name)):
+                    if dst is not None:
+                        (dst.to_local() if isinstance(dst, DTensor) else dst).copy_(part)
+                del part
+                continue
             src = full[name]
             for dst in (t, masters.get(name)):  # the master from the file, not from t
                 if dst is None:
@@ -325,32 +355,40 @@ class ShardedModel:
         return norm
 
     # ---- full tensors ------------------------------------------------------------------------------
-    def gather_one(self, i: int, local: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+    def gather_one(self, i: int, local: dict[str, torch.Tensor] | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """The full (unsharded) tensor `state_meta[i]` on rank 0, None elsewhere; `local` None = the
         state (`state_tensors`: the master where there is one). Collective over the ranks that hold
         a part of it: its stage's ranks all-gather the DTensor over the dims it is split on (tp, dp
         with FSDP); a later stage's (dp 0, tp 0) rank sends it to rank 0 over the pool's world group.
         Every rank calls it with the same `i`s in the same order (a rank that holds no part returns
-        at once), which pairs the collectives up."""
+        at once), which pairs the collectives up. `dtype` (a push: the servers' dtype): a floating-point
+        tensor is cast shard by shard *before* the gather and the stage transfer — half the bytes of an
+        fp32 master for bf16 servers, and the same values as casting the gathered tensor (elementwise)."""
         from torch.distributed.tensor import DTensor
 
         L = self.layout
-        name, shape, dtype, stage = self.state_meta[i]
+        name, shape, held, stage = self.state_meta[i]
+        want = dtype if dtype is not None and held.is_floating_point else None  # None: as held
         if stage != L.pp_rank and L.rank != 0:
             return None
         full = None
         if stage == L.pp_rank:
             local = self.state_tensors() if local is None else local
             t = local[name].detach()
-            if isinstance(t, DTensor) and t.to_local().device != self.device:  # offloaded shard: gather on device
-                t = DTensor.from_local(t.to_local().to(self.device), t.device_mesh, t.placements,
+            cast = want is not None and t.dtype != want
+            if isinstance(t, DTensor) and (t.to_local().device != self.device or cast):
+                # an offloaded shard is gathered on the device; a push's cast happens to the shard
+                t = DTensor.from_local(t.to_local().to(self.device, want or t.dtype), t.device_mesh, t.placements,
                                        run_check=False, shape=t.shape, stride=t.stride())
+            elif cast:
+                t = t.to(want)
             full = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
             del t
         if stage == 0:
             return full if L.rank == 0 else None
         if L.rank == 0:  # a later stage's tensor: from that stage's sending rank
-            full = torch.empty(shape, dtype=dtype, device=self.device)
+            full = torch.empty(shape, dtype=want or held, device=self.device)
             dist.recv(full, src=L.stage_rank(stage), group=L.world_group)
             return full
         if L.rank == L.stage_rank(stage):
@@ -451,6 +489,15 @@ class ShardedModel:
             self._optimizer_state_to(torch.device("cpu"))
 
 
+def dtype_word(dtype: torch.dtype | None) -> str:
+    """A gather command's dtype field: "bfloat16", or "-" for as held (`parse_dtype_word` reads it back)."""
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def parse_dtype_word(word: str) -> torch.dtype | None:
+    return None if word == "-" else getattr(torch, word)
+
+
 class GatheredWeights:
     """A `weights.source.WeightSource` over a `ShardedModel`'s full state, gathered tensor by tensor.
 
@@ -462,8 +509,11 @@ class GatheredWeights:
     holds one full tensor at a time beyond its shard."""
 
     def __init__(self, model: ShardedModel, announce: Callable[[str], None] | None = None,
-                 only: list[int] | None = None) -> None:
+                 only: list[int] | None = None, wire_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        # the dtype floating-point tensors are gathered in (a pusher sets it to the servers' dtype before it
+        # opens a bucket: the shards are cast before the all-gather and the stage transfer); None = as held
+        self.wire_dtype = wire_dtype
         self.announce = announce
         # `only`: a subset of the state (indices of `state_meta`, e.g. a LoRA adapter's); `open` takes
         # indices into it, announced to the followers as state indices
@@ -475,10 +525,11 @@ class GatheredWeights:
     def open(self, indices: Sequence[int]) -> Iterator[tuple[str, torch.Tensor | None]]:
         m = self.model
         indices = [self.index[i] for i in indices]
+        dt = self.wire_dtype
         if self.gathers and self.announce is not None:
-            self.announce(f"gather {m.role} {','.join(map(str, indices))}")
+            self.announce(f"gather {m.role} {dtype_word(dt)} {','.join(map(str, indices))}")
         if m.device.type == "cuda":
             torch.cuda.set_device(m.device)  # a push fills its buckets on a worker thread
         local = m.state_tensors()
         for i in indices:
-            yield m.state_meta[i][0], m.gather_one(i, local)
+            yield m.state_meta[i][0], m.gather_one(i, local, dt)
