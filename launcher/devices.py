@@ -107,18 +107,12 @@ def torch_release(version: str) -> tuple[int, int, int] | None:
 
 def torch_version_of(python: str, timeout_s: float = 120.0) -> str:
     """The torch version installed for interpreter `python` (`<absent>` when there is none)."""
+    from areal_like.engine.sglang_args import SGLangNotInstalled, run_in_python
+
     try:
-        proc = subprocess.run([python, "-c", _TORCH_SCRIPT], capture_output=True, text=True, timeout=timeout_s)
-    except FileNotFoundError:
-        raise DeviceCheckError(f"server.python = {python!r} does not exist: set it to the interpreter of the SGLang "
-                               "environment (scripts/setup.sh --sglang builds .venv-sglang)") from None
-    except subprocess.TimeoutExpired:
-        raise DeviceCheckError(f"server.python = {python!r} did not report its torch version within "
-                               f"{timeout_s:.0f}s") from None
-    if proc.returncode != 0:
-        raise DeviceCheckError(f"server.python = {python!r} failed reporting its torch version (exit "
-                               f"{proc.returncode}): {(proc.stderr or proc.stdout).strip()[-300:]}")
-    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "<absent>"
+        return run_in_python(python, _TORCH_SCRIPT, "reporting its torch version", timeout_s) or "<absent>"
+    except SGLangNotInstalled as e:
+        raise DeviceCheckError(str(e)) from None
 
 
 def learner_torch_version() -> str:

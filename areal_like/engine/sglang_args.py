@@ -428,7 +428,7 @@ print(json.dumps(sorted(o for o in p._option_string_actions if o.startswith("--"
 """
 
 
-def _run_in(python: str, script: str, what: str, timeout_s: float) -> str:
+def run_in_python(python: str, script: str, what: str, timeout_s: float) -> str:
     """stdout of ``python -c script``; errors name ``server.python``, the interpreter and ``what``."""
     try:
         proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=timeout_s)
@@ -467,7 +467,7 @@ def require_sglang(python: str | None = None, timeout_s: float = 120.0) -> str:
     python = python or sys.executable
     script = "import importlib.util\nif importlib.util.find_spec('sglang') is None: print('<absent>')\nelse: " \
         + _VERSION_SCRIPT
-    version = _run_in(python, script, "reporting its sglang version", timeout_s) or "unknown"
+    version = run_in_python(python, script, "reporting its sglang version", timeout_s) or "unknown"
     supported = ",".join(SUPPORTED_SGLANG)
     if version == "<absent>":
         raise SGLangNotInstalled(
@@ -490,7 +490,7 @@ def sglang_server_flags(python: str | None = None, timeout_s: float = 300.0) -> 
     the machine that runs the servers; importing sglang takes a while, hence the long timeout.
     """
     python = python or sys.executable
-    out = _run_in(python, _FLAGS_SCRIPT, "reading SGLang's command-line flags (ServerArgs.add_cli_args)", timeout_s)
+    out = run_in_python(python, _FLAGS_SCRIPT, "reading SGLang's command-line flags (ServerArgs.add_cli_args)", timeout_s)
     try:
         flags = json.loads(out)
     except ValueError:
