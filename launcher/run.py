@@ -862,9 +862,15 @@ class Run:
             except Exception:  # noqa: BLE001 — still loading
                 healthy = False
             if healthy:
-                del self._restarting[name]
                 if self.alloc.generation.backend == "sglang":  # before the learner's re-sync
-                    self._pause_server(url)
+                    try:
+                        self._pause_server(url)
+                    except Exception as e:  # noqa: BLE001 — still starting up: again next tick, until its deadline
+                        if time.monotonic() > deadline:
+                            raise RunError(f"restarted generation server {name} at {url} answers /health but cannot "
+                                           f"be paused ({type(e).__name__}: {e}); log {role.log_path}") from None
+                        continue
+                del self._restarting[name]
                 self._count_restart("server")
                 print(f"[launcher] {name} is up again on {url}; the learner re-syncs its weights", flush=True)
             elif time.monotonic() > deadline:

@@ -25,13 +25,13 @@ Health — every server is UP or DOWN; routing (least loaded, sticky keys) only 
  UP ──connection fails after the retries, or /health fails──► DOWN   (in-flight attempts there are
   ▲   (probe: refused at once; timeout/5xx twice in a row)      │     cancelled and failed over)
   └── background probe: GET /health answers 200 and /model_info's ◄┘
-      weight_version is not behind the newest any reply carried
+      weight_version is not behind the UP servers' latest replies
 ```
 A server that comes back is taken again only once it holds the run's weights (issue 40 item 10): a
 restarted server answers /health with the base model loaded, as version 0, until the learner re-syncs
 it — SGLang has no start-paused flag, so without this check its first answers would be base-model
-tokens. A server whose weight_version is behind the newest version any reply carried stays DOWN (its
-last_error says why) until its version catches up.
+tokens. A server whose weight_version is behind what the UP servers' latest replies carried stays DOWN
+(its last_error says why) until its version catches up.
 Failover continues a request like the interruptible loop, on another UP server: prompt + tokens so
 far, max_new_tokens reduced, the tokens already held keep their versions (`num_failovers` counts it;
 the rid gets a `.f<k>` suffix so a server that comes back holding the old attempt never sees a
@@ -164,7 +164,8 @@ class GenerationClient:
         # Version to record for servers that report none (SGLang 0.4.x; servers launched without
         # --weight-version say "default"): whoever knows the pushed version sets it per server.
         self.fallback_version: dict[str, int] = {}
-        self.newest_version = 0  # the newest weight_version any reply carried (a returning server must hold it)
+        # the weight_version of each server's latest reply: a returning server must not be behind the ones UP
+        self.served_version: dict[str, int] = {}
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> "GenerationClient":
@@ -394,10 +395,15 @@ class GenerationClient:
 
     async def _holds_current_weights(self, url: str) -> bool:
         """Whether a DOWN server that answers /health again serves the run's weights: its /model_info
-        weight_version is not behind `newest_version` (a restarted one holds the base model as version 0
-        until the learner re-syncs it). Otherwise its last_error says what it waits for."""
-        if self.newest_version <= 0:
+        weight_version is not behind what the UP servers' latest replies carried (a restarted one holds the
+        base model as version 0 until the learner re-syncs it). Compared with the servers UP now, not with
+        the newest version ever seen: after a learner resumed an older checkpoint every server serves an
+        older version, and the UP ones' next replies say so. With no other server UP it is taken back (the
+        launcher pauses a restarted one until the re-sync). Otherwise its last_error says what it waits for."""
+        current = [v for u, v in self.served_version.items() if u != url and self._state[u].up]
+        if not current or max(current) <= 0:
             return True
+        want = max(current)
         try:
             async with self._session.get(url + "/model_info", timeout=aiohttp.ClientTimeout(
                     total=self.health_timeout_s, connect=min(self.connect_timeout_s, self.health_timeout_s))) as r:
@@ -406,10 +412,9 @@ class GenerationClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, GenerationError, AttributeError) as e:
             self._state[url].last_error = f"GET {url}/model_info after /health: {type(e).__name__}: {e}"
             return False
-        if held < self.newest_version:
-            self._state[url].last_error = (f"{url} answers /health but serves weight_version {held}, behind v"
-                                           f"{self.newest_version} of the other servers' replies: held DOWN until the "
-                                           "learner re-syncs it")
+        if held < want:
+            self._state[url].last_error = (f"{url} answers /health but serves weight_version {held}, behind v{want} "
+                                           "of the servers up: held DOWN until the learner re-syncs it")
             return False
         return True
 
@@ -502,8 +507,7 @@ class GenerationClient:
                     reply = reply[0]
                 ids, lps, meta = parse_reply(reply)
                 version = _version(meta.get("weight_version"), url, self.fallback_version.get(url, 0))
-                if version > self.newest_version:
-                    self.newest_version = version
+                self.served_version[url] = version
                 out_ids += ids
                 out_lps += lps
                 out_vers += [version] * len(ids)
