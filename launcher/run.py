@@ -751,7 +751,7 @@ class Run:
     def _record_restart(self, kind: str, dead: Role | None, what: str, exit_code: int | None = None,
                         notify: bool = True) -> None:
         """summary.json's `restarts` gets one entry; the console gets the reason and the log tail. `notify`:
-        count it in Redis now (a restarted server is counted once it is up: `_server_came_back`)."""
+        count it in Redis now (a restarted server is counted once it is up: `_check_restarting`)."""
         code = dead.proc.returncode if dead is not None else exit_code
         name = dead.name if dead is not None else kind
         entry = {"role": name, "kind": kind, "exit_code": code, "at_s": round(time.monotonic() - self._t0, 2),
