@@ -121,18 +121,18 @@ def learner_torch_version() -> str:
     return version("torch")
 
 
-def check_torch_pairing(server_python: str, learner_python: str = sys.executable) -> tuple[str, str]:
+def check_torch_pairing(server_python: str) -> tuple[str, str]:
     """Refuse SGLang servers whose torch release differs from the learner's: their NCCL libraries meet in
     the weight group and, co-located, one torch unpickles the other's CUDA-IPC handles (the payload
     hard-codes an argument position of torch's tensor reduction). Returns (learner's, servers') versions."""
-    mine = learner_torch_version() if learner_python == sys.executable else torch_version_of(learner_python)
+    mine = learner_torch_version()  # every learner rank runs this interpreter (sys.executable)
     theirs = torch_version_of(server_python)
     if theirs == "<absent>":
         raise DeviceCheckError(f"server.python = {server_python!r} has no torch: build the SGLang environment with "
                                "scripts/setup.sh --sglang")
     if torch_release(mine) != torch_release(theirs):
         raise DeviceCheckError(
-            f"the learner runs torch {mine} ({learner_python}) but the SGLang servers torch {theirs} (server.python = "
+            f"the learner runs torch {mine} ({sys.executable}) but the SGLang servers torch {theirs} (server.python = "
             f"{server_python}): they meet in one NCCL weight group and in CUDA-IPC payloads, which need one torch "
             "release on both sides. Run the launcher from the SGLang environment, which then trains with SGLang's "
             "torch: `scripts/setup.sh --sglang` installs areal_like into .venv-sglang; start the run with "

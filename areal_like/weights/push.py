@@ -121,7 +121,6 @@ class WeightPusher(ServerAdmin):
         self.reforms = 0  # groups re-formed so far (the k of `<group_name>_r<k>`)
         self._collective: asyncio.Future | None = None  # the collective thread of the last call, if any
         self.stuck: list[str] = []  # servers whose call had not answered when the last push failed
-        self.aborted_groups = 0  # groups aborted after an early failure (NCCL)
 
     # ---------------------------------------------------------------- collectives
     async def _with_collective(self, http: list[asyncio.Task], collective, *, replies: bool = True) -> list:
@@ -145,20 +144,16 @@ class WeightPusher(ServerAdmin):
             # Servers whose call had not answered are still inside the collective (or about to enter it):
             # with NCCL, SGLang's side of the group has torch's default 30-minute timeout and no route to
             # end it — the learner asks the launcher to restart them (`stuck`, learner/main.py).
-            self.stuck = [u for u, t in zip(self._http_urls(http), http) if not t.done()]
+            self.stuck = [t.get_name() for t in http if not t.done()]  # `_send` names each call by its server
             for t in http:
                 t.cancel()
             # NCCL: abort the group, so the collective thread ends now rather than at the group's timeout
             # (TORCH_NCCL_ASYNC_ERROR_HANDLING=2 on the learner's rank 0 keeps the process alive through
             # it). Gloo's cannot be interrupted: it ends at the timeout (`reform` waits for it).
-            if coll in pending and self.group is not None and self.group.abort():
-                self.aborted_groups += 1
+            if coll in pending and self.group is not None:
+                self.group.abort()
             raise
         return [t.result() for t in http] if replies else []
-
-    def _http_urls(self, http: list[asyncio.Task]) -> list[str]:
-        """The server URL of each pending call (`_post` tasks carry it as their name)."""
-        return [t.get_name() for t in http]
 
     def _send(self, url: str, route: str, body: dict) -> asyncio.Task:
         """POST `body` to `url``route` as a task named by its server (see `stuck`)."""
