@@ -15,6 +15,10 @@
 #               group, with the launcher's TORCH_NCCL_ASYNC_ERROR_HANDLING=2, survives a receiver that dies
 #               mid-push and re-forms the group with a fresh one; prints `survived: yes`. Needs 2 GPUs (NCCL
 #               puts one rank per GPU): on one it says so and ends
+#   ipc_reuse   benchmarks/cuda_ipc_handoff.py (issue 40 item 3): the co-located CUDA-IPC handoff's buffers
+#               are never overwritten before the receiver's (late) copy of them completed: a receiver
+#               process answering before its copy ran, fresh buffers (the push's) vs one reused buffer;
+#               prints `intact: yes`
 #   colocated   (only with STAGES naming it) benchmarks/real_shape_run.py --device cuda with
 #               `allocation=embedded:d1|fsdp:d1`: the server and the learner take turns on the one GPU
 #               (issue 27) — the learner log's `co-located step: release … → handoff … → resume …` lines, the
@@ -36,7 +40,7 @@ export PYTHONUNBUFFERED=1 GLOO_SOCKET_IFNAME=lo TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 model=${MODEL:-demo:qwen3-0.6b-shape}
 
-stages=" ${STAGES:-learner engine nccl_push real_shape} "  # STAGES="engine" runs that one alone (the model is built first)
+stages=" ${STAGES:-learner engine nccl_push ipc_reuse real_shape} "  # STAGES="engine" runs that one alone (the model is built first)
 stage() {  # stage NAME SECONDS CMD…: run CMD under a time limit, its output in OUT_DIR/NAME.log
     local name=$1 limit=$2 t0 rc
     shift 2
@@ -61,6 +65,7 @@ stage learner "${T_LEARNER:-100}" "$py" benchmarks/learner_overhead.py --model "
 stage engine "${T_ENGINE:-200}" "$py" benchmarks/engine_vs_hf.py --model "$model" --device cuda --dtype bfloat16 \
     --requests 64 --max-len "${ENGINE_MAX_LEN:-256}" --min-len 32
 stage nccl_push "${T_NCCL:-120}" "$py" benchmarks/nccl_push_failure.py --mb 256 --timeout 20
+stage ipc_reuse "${T_IPC:-120}" "$py" benchmarks/cuda_ipc_handoff.py --buckets 8 --mib 64
 if [[ $stages == *" colocated "* ]]; then
     coloc=$(mktemp -d)
     TAIL=40 stage colocated "${T_COLOC:-280}" "$py" benchmarks/real_shape_run.py --device cuda --steps 3 --keep "$coloc" \

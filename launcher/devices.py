@@ -143,8 +143,8 @@ def check_torch_pairing(server_python: str) -> tuple[str, str]:
 def colocated_ray_refusal(allocation: str, *, cuda: bool) -> str | None:
     """Why a co-located allocation on CUDA cannot run under `--backend ray` (None when it can): Ray reserves
     each role's GPU for it alone, so a server and the learner rank that share a GPU ask twice for it (the
-    node's placement group never becomes ready), and every role would see only its own GPU, while the
-    CUDA-IPC handoff names learner rank 0's GPU to every server."""
+    node's placement group never becomes ready). (The CUDA-IPC handoff goes from each learner rank to the
+    server on its own GPU, named by UUID, so it would not need the roles to see each other's devices.)"""
     from allocation import parse_allocation
 
     alloc = parse_allocation(allocation)
@@ -152,6 +152,6 @@ def colocated_ray_refusal(allocation: str, *, cuda: bool) -> str | None:
         return None
     plus = allocation.replace("|", "+")
     return (f"allocation {allocation!r} co-locates generation and training on the same GPUs, which --backend ray "
-            "does not run (Ray would reserve every shared GPU twice, and the co-located CUDA-IPC handoff needs the "
-            "roles of a GPU to see each other's devices): run it on one node with the local backend (drop "
+            "does not run (Ray would reserve every shared GPU twice: once for the server, once for the learner "
+            "rank): run it on one node with the local backend (drop "
             f"--backend ray / launcher.backend=ray), or disaggregate it across nodes ({plus!r}: '+' for '|')")

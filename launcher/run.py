@@ -260,6 +260,13 @@ def _check_devices(cfg, alloc) -> None:
         raise RunError(str(e)) from None
 
 
+def colocated_gpus(plan) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """A co-located plan's (node, device) of each server's TP ranks (TP-rank order: SGLang puts TP rank r on
+    --base-gpu-id + r, the server's r-th slot) and of each learner rank: `Endpoints.server_gpus` and
+    `learner_gpus`, from which learner rank 0 routes each rank's CUDA-IPC payload (weights/ipc.py)."""
+    return ([[list(slot) for slot in sp.slots] for sp in plan.servers], [[r.node, r.device] for r in plan.ranks])
+
+
 def _server_python(cfg) -> str:
     """server.python as the servers are started with it (a relative path is taken from the launcher's directory)."""
     p = cfg.server.python
@@ -343,6 +350,7 @@ class Run:
         self._buffer = None  # read-only view for the progress line
         self._incarnation = 0
         self._server_devices: list[int] | None = None  # devices per server in the weight-update group
+        self._colocated_gpus: tuple[list, list] | None = None  # co-located SGLang: (server_gpus, learner_gpus)
         self._learner_device = "cpu"
         self._stop_reason: str | None = None
         from areal_like.buffer.scripts import REWARD_FAILURE_KINDS
@@ -521,6 +529,8 @@ class Run:
             proc.write_secrets()
             roles.append(self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)}))
         self._server_devices = [srv.devices for srv in servers]
+        if self.alloc.colocated:  # each learner rank hands its own GPU's weights to the server there
+            self._colocated_gpus = colocated_gpus(plan)
         self._learner_device = "cuda:0"  # each rank's CUDA_VISIBLE_DEVICES holds its plan device alone
         while_loading()
         for srv, role in zip(servers, roles):
@@ -641,6 +651,8 @@ class Run:
                 # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
                 weight_backend="nccl" if sglang else "gloo",
                 server_devices=self._server_devices, learner_device=self._learner_device,
+                server_gpus=self._colocated_gpus[0] if self._colocated_gpus else None,
+                learner_gpus=self._colocated_gpus[1] if self._colocated_gpus else None,
                 learner_host=self.procs.host("learner"), launch=self._launch)
             endpoints.dump(self.run_dir)
             self._write_prometheus_targets(urls, endpoints.metrics_ports)

@@ -601,8 +601,8 @@ class WeightSyncConfig(_Section):
     """How new weights reach the servers after each step: `distributed` (bucketed torch.distributed
     broadcast, NCCL/gloo), `disk` (learner rank 0 writes an HF safetensors dir under
     `<run dir>/weights_disk/`, the servers load it with /update_weights_from_disk) or `memory` (co-located
-    runs only: rank 0 copies each bucket into shared memory, or for SGLang servers sends CUDA-IPC handles of
-    it, and the servers load it with /update_weights_from_tensor). `auto`: `memory` when the allocation is co-located
+    runs only: rank 0 copies each bucket into shared memory, or for SGLang servers each learner rank hands
+    CUDA-IPC handles of it on its GPU to the server there, and the servers load it with /update_weights_from_tensor). `auto`: `memory` when the allocation is co-located
     (`embedded:d1|fsdp:d1`), else `distributed`. With LoRA (`model.lora_rank` > 0) only the adapter travels:
     `disk` writes a peft adapter dir the servers load with /load_lora_adapter; `distributed` broadcasts it to
     embedded servers, and to SGLang servers — which have no NCCL route for adapters — sends it by value in

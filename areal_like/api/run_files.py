@@ -32,6 +32,11 @@ class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """torch.distributed backend of the weight-update group: nccl (SGLang on GPUs) or gloo."""
     server_devices: list[int] | None = None
     """Devices (= ranks in the weight-update group) of each server; None = one rank per server."""
+    server_gpus: list[list[list[int]]] | None = None
+    """Co-located SGLang runs: each server's (node, device) per TP rank, in TP-rank order (the plan's)."""
+    learner_gpus: list[list[int]] | None = None
+    """Co-located SGLang runs: each learner rank's (node, device) (the plan's). With `server_gpus`, each
+    learner rank hands its own GPU's weights to the server TP rank on that GPU (weights/ipc.py)."""
     learner_device: str = "cpu"
     """torch device of every learner rank; on CUDA each rank's CUDA_VISIBLE_DEVICES holds its own
     device from the plan, so this is `cuda:0` for all of them."""

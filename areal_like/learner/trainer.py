@@ -145,6 +145,7 @@ class Trainer:
                                     device_type=torch.device(device).type)
         self.layout = layout
         layout.on_command = self.serve_command  # rank 0's weight reads, joined from leader_ready waits
+        self._packer = None  # a follower's side of per-GPU handoffs (weights.ipc.BucketPacker), once one ran
         self.cfg = train_cfg
         self.rejection = train_cfg.rejection_settings()  # train.rejection_sampling resolved; None = off
         self.alg = algorithm or AlgorithmConfig()
@@ -757,20 +758,35 @@ class Trainer:
 
     def serve_command(self, cmd: str) -> None:
         """A follower runs rank 0's `leader_command`: `gather <role> <dtype|-> <i,j,…>` = its part of rank 0's
-        reading those tensors of that model in that dtype (`GatheredWeights.open`); `sleep all -` = `sleep()`."""
+        reading those tensors of that model in that dtype (`GatheredWeights.open`); `handoff <role> <dtype|->
+        <i,j,…>` = its part of a per-GPU handoff (`GatheredWeights.hand_off`: it packs those tensors on its
+        own GPU for the server there), `handoff <role> end` = drop the last bucket it packed;
+        `sleep all -` = `sleep()`."""
         verb, role, rest = cmd.split(" ", 2)
         if verb == "sleep":
             self.sleep()
             return
-        model = {"actor": self.actor, "critic": self.critic}.get(role) if verb == "gather" else None
+        model = {"actor": self.actor, "critic": self.critic}.get(role) if verb in ("gather", "handoff") else None
         if model is None:
             raise RuntimeError(f"learner rank {self.layout.rank}: unknown command from rank 0: {cmd[:80]!r}")
-        from areal_like.learner.parallel.sharded_model import parse_dtype_word
+        from areal_like.learner.parallel.sharded_model import gather_payloads, parse_dtype_word
 
+        if verb == "handoff" and rest == "end":
+            if self._packer is not None:
+                self._packer.release()
+            return
         word, idx = rest.split(" ", 1)
         src = model.weights()
         src.wire_dtype = parse_dtype_word(word)  # the same cast as rank 0's, before the same gathers
-        for _ in src.open([int(i) for i in idx.split(",")]):  # collective; None here
+        indices = [int(i) for i in idx.split(",")]
+        if verb == "handoff":
+            from areal_like.weights.ipc import BucketPacker
+
+            self._packer = self._packer or BucketPacker(src.device)
+            gather_payloads(self.layout, self._packer.pack(src.open_everywhere(indices),
+                                                           [src.meta[i] for i in indices], src.wire_dtype)[0])
+            return
+        for _ in src.open(indices):  # collective; None here
             pass
 
     def full_state(self) -> list[tuple[str, torch.Tensor]]:

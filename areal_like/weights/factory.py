@@ -30,7 +30,8 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     and `incarnation` are unused.
     memory (co-located): to our servers, buckets of `weights.bucket_mb` through two shared-memory segments
     named after the run dir (weights/shm.py); to SGLang (the nccl backend), CUDA-IPC handles of buckets on
-    the learner's GPU, one payload per TP rank of each server (weights/ipc.py). Co-located LoRA: the adapter
+    the learner ranks' GPUs, each TP rank of each server given the buffer of the learner rank on its GPU
+    (weights/ipc.py). Co-located LoRA: the adapter
     by value to SGLang (as distributed), as a peft dir under `<run_dir>/weights_disk/` to our servers.
     All cast floating-point tensors to the servers' dtype (`server.dtype`)."""
     mode = cfg.weights.mode
@@ -60,7 +61,8 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
                                    admin_api_key=cfg.server.admin_api_key, dtype=dtype)
     if mode == "memory" and endpoints.weight_backend == "nccl":  # co-located SGLang: CUDA-IPC handles
         return CudaIpcWeightPusher(endpoints.servers, tp_per_server=devices, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
-                                   timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key, dtype=dtype)
+                                   timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key, dtype=dtype,
+                                   server_gpus=endpoints.server_gpus, learner_gpus=endpoints.learner_gpus)
     if mode == "memory":
         # one run's segments share a prefix: a restarted learner removes what a killed one left
         owner = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:12]

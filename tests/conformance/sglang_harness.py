@@ -139,6 +139,16 @@ def main() -> None:
     hs._setup_and_run_http_server(server_args, rec, None, None, [{}], None)
 
 
+def _origin(t) -> int | None:
+    """The pid of the process whose memory a received CPU tensor lives in: torch's `file_system` sharing
+    names each segment /torch_<pid>_<random>_<n> after the process that created it (the sender)."""
+    try:
+        handle = t.untyped_storage()._share_filename_cpu_()[1].decode()
+        return int(handle.split("_")[1])
+    except Exception:
+        return None
+
+
 def _sha(t) -> str:
     import torch
 
@@ -247,18 +257,19 @@ class Recorder:
 
         from sglang.srt.utils.common import MultiprocessingSerializer
 
-        payloads = []
+        payloads, origins = [], []
         for b in obj.serialized_named_tensors:
             if obj.load_format is None:  # SGLang's own format: deserialised as its TP workers do
                 named = MultiprocessingSerializer.deserialize(bytes(b))
                 payloads.append([[n, list(t.shape), str(t.dtype).removeprefix("torch."), _sha(t)] for n, t in named])
+                origins.append(sorted({_origin(t) for _, t in named}))
             else:
                 try:
                     payloads.append(_json.loads(bytes(b)))
                 except ValueError:
                     payloads.append(None)
         self._event("update_tensor", type=type(obj).__name__, load_format=obj.load_format,
-                    flush_cache=obj.flush_cache, weight_version=obj.weight_version, payloads=payloads,
+                    flush_cache=obj.flush_cache, weight_version=obj.weight_version, payloads=payloads, origins=origins,
                     abort_all_requests=obj.abort_all_requests, success=True)
         return True, "recorded"
 

@@ -456,6 +456,85 @@ def test_the_cuda_ipc_handoff_is_deserialised_by_sglangs_own_serializer(harness)
     assert got == want
 
 
+def _handoff_rank(rank: int, world: int, port: int, layout: str, model_dir: str, url: str, out: str) -> None:
+    """One rank of a two-rank learner pool (gloo) pushing to a co-located t2 server, as the learner loop does:
+    rank 0 runs the pusher, the other rank serves its handoff commands from its `leader_ready` wait."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.multiprocessing as tmp
+
+    from areal_like.api.config import TrainConfig
+    from areal_like.learner.parallel.spawn import leave_pool
+    from areal_like.learner.trainer import Trainer
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    tmp.set_sharing_strategy("file_system")  # CPU tensors pickle as named shared memory (CUDA: IPC handles)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        tr = Trainer(model_dir, TrainConfig(dp_sharding="full", collective_timeout_s=120), layout, temperature=1.0)
+        full = tr.full_state()  # collective: the whole model on rank 0, to compare with what the server got
+        with open(f"{out}.pid{rank}", "w") as f:
+            f.write(str(os.getpid()))
+        if rank == 0:
+            async def push() -> dict:
+                p = CudaIpcWeightPusher([url], tp_per_server=[2], bucket_bytes=16 << 10, timeout_s=60,
+                                        admin_api_key=ADMIN, dtype="bfloat16",
+                                        server_gpus=[[[0, 0], [0, 1]]], learner_gpus=[[0, 0], [0, 1]])
+                try:
+                    await p.init()
+                    return await p.update(tr.weight_source(), 7)
+                finally:
+                    await p.close()
+
+            res = asyncio.run(push())
+            res["want"] = {n: [list(t.shape), str(t.dtype if not t.is_floating_point() else torch.bfloat16)
+                               .removeprefix("torch."), sha(t.to(torch.bfloat16) if t.is_floating_point() else t)]
+                           for n, t in full}
+            with open(out, "w") as f:
+                json.dump(res, f)
+        tr.layout.leader_ready("finish the weight handoff")  # the other rank serves the handoff's commands here
+        leave_pool()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["d2p1t1", "d1p2t1"], ids=["fsdp-d2", "pipeline-p2"])
+def test_each_colocated_learner_rank_hands_its_own_copy_to_the_server_rank_on_its_gpu(harness, tmp_path, layout):
+    """Issue 40 item 3 (`sglang:d1t2|fsdp:d2`): each TP rank of the server receives the bucket from the learner
+    rank on its own GPU — never every TP rank from rank 0's GPU — and SGLang's own deserializer rebuilds
+    the whole model, bf16, bit for bit, from each. A sharded learner (FSDP: every rank all-gathers) and a
+    pipelined one (each stage broadcasts its tensors to the other's ranks). On this CPU machine a rank's
+    buffer travels as named shared memory, whose name carries the pid of the process that made it: that
+    is how the test tells which rank packed what (on a GPU the same pickle carries a CUDA-IPC handle of the
+    buffer on that rank's GPU)."""
+    import torch.multiprocessing as mp
+
+    from areal_like.data.tiny_model import build_tiny_model
+
+    h = harness()
+    model = build_tiny_model(str(tmp_path / "m"), hidden_size=32, intermediate_size=64, num_layers=2)
+    out = str(tmp_path / "handoff.json")
+    ctx = mp.spawn(_handoff_rank, args=(2, free_port(), layout, model, h.url, out), nprocs=2, join=False)
+    # joined by waitpid, not by spawn's pipes: torch's shared-memory manager (file_system sharing), started by
+    # a rank, inherits them and lives as long as the harness holds a segment open
+    for p in ctx.processes:
+        p.join()
+    assert [p.exitcode for p in ctx.processes] == [0, 0]
+    res = json.loads(Path(out).read_text())
+    pids = [int(Path(f"{out}.pid{r}").read_text()) for r in range(2)]
+    assert res["per_rank"] and res["buckets"] >= 3, res
+    ups = [e for e in h.record()["events"] if e["kind"] == "update_tensor"]
+    assert len(ups) == res["buckets"] and [e["weight_version"] for e in ups][-1] == "7"
+    for e in ups:
+        assert len(e["payloads"]) == 2 and e["payloads"][0] == e["payloads"][1]  # the same tensors for each TP rank
+        assert e["origins"] == [[pids[0]], [pids[1]]], (e["origins"], pids)  # TP rank r ← learner rank r's buffer
+    got = {n: [shape, dt, digest] for e in ups for n, shape, dt, digest in e["payloads"][1]}
+    assert got == res["want"]
+
+
 _PARSE_SAVER = """\
 import json, sys
 from sglang.srt.server_args import prepare_server_args

@@ -87,6 +87,36 @@ def test_weights_mode_auto_follows_the_allocation(tmp_path):
                                          incarnation=0), WeightPusher)
 
 
+def test_colocated_sglang_routes_each_tp_rank_to_the_learner_rank_on_its_gpu(tmp_path):
+    """Issue 40 item 3: the launcher writes the plan's devices of a co-located SGLang run into endpoints.json,
+    and learner rank 0's pusher hands TP rank r of server j the buffer of the learner rank on that device."""
+    import msgspec
+
+    from allocation import place
+    from launcher.run import colocated_gpus
+
+    server_gpus, learner_gpus = colocated_gpus(place("sglang:d2t2|fsdp:d4", None, 4))
+    assert server_gpus == [[[0, 0], [0, 1]], [[0, 2], [0, 3]]] and learner_gpus == [[0, d] for d in range(4)]
+    ep = Endpoints(servers=["http://a:1", "http://b:2"], weight_backend="nccl", server_devices=[2, 2],
+                   server_gpus=server_gpus, learner_gpus=learner_gpus)
+    ep = msgspec.json.decode(msgspec.json.encode(ep), type=Endpoints)  # as the learner reads the file
+    cfg = _cfg("sglang:d2t2|fsdp:d4")
+    ipc = make_weight_pusher(cfg, ep, model_path="m", run_dir=str(tmp_path), weight_port=1, incarnation=0)
+    assert isinstance(ipc, CudaIpcWeightPusher) and ipc.routes == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("server_gpus,learner_gpus,match", [
+    ([[[0, 0], [0, 1]]], [[0, 0], [0, 2]], "TP rank 1 is on device \\(0, 1\\), which no learner rank shares"),
+    ([[[0, 0]], [[0, 0]]], [[0, 0]], "which another TP rank shares"),
+    ([[[0, 0]]], [[0, 0]], "1 devices for 2 TP ranks"),
+])
+def test_a_server_device_without_its_own_learner_rank_is_refused(server_gpus, learner_gpus, match):
+    tp = [len(g) for g in server_gpus] if "TP ranks" not in match else [2]
+    with pytest.raises(ValueError, match=match):
+        CudaIpcWeightPusher(["http://a:1"] * len(tp), tp_per_server=tp, server_gpus=server_gpus,
+                            learner_gpus=learner_gpus)
+
+
 @pytest.mark.parametrize("allocation,weights,match", [
     ("embedded:d1|fsdp:d1", {"mode": "distributed"}, "weights.mode=auto"),
     ("embedded:d1|fsdp:d1", {"mode": "disk"}, "co-located"),

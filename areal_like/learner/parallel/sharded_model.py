@@ -356,7 +356,7 @@ class ShardedModel:
 
     # ---- full tensors ------------------------------------------------------------------------------
     def gather_one(self, i: int, local: dict[str, torch.Tensor] | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor | None:
+                   dtype: torch.dtype | None = None, *, everywhere: bool = False) -> torch.Tensor | None:
         """The full (unsharded) tensor `state_meta[i]` on rank 0, None elsewhere; `local` None = the
         state (`state_tensors`: the master where there is one). Collective over the ranks that hold
         a part of it: its stage's ranks all-gather the DTensor over the dims it is split on (tp, dp
@@ -364,13 +364,16 @@ class ShardedModel:
         Every rank calls it with the same `i`s in the same order (a rank that holds no part returns
         at once), which pairs the collectives up. `dtype` (a push: the servers' dtype): a floating-point
         tensor is cast shard by shard *before* the gather and the stage transfer — half the bytes of an
-        fp32 master for bf16 servers, and the same values as casting the gathered tensor (elementwise)."""
+        fp32 master for bf16 servers, and the same values as casting the gathered tensor (elementwise).
+        `everywhere`: every rank of the pool gets the full tensor (a per-GPU handoff, where each rank hands
+        its own copy to the server on its GPU): its stage's ranks from the all-gather, the other stages'
+        by a broadcast from the stage's sending rank over the pool."""
         from torch.distributed.tensor import DTensor
 
         L = self.layout
         name, shape, held, stage = self.state_meta[i]
         want = dtype if dtype is not None and held.is_floating_point else None  # None: as held
-        if stage != L.pp_rank and L.rank != 0:
+        if stage != L.pp_rank and L.rank != 0 and not everywhere:
             return None
         full = None
         if stage == L.pp_rank:
@@ -385,6 +388,12 @@ class ShardedModel:
                 t = t.to(want)
             full = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()
             del t
+        if everywhere:
+            if L.pp > 1:
+                if full is None:
+                    full = torch.empty(shape, dtype=want or held, device=self.device)
+                dist.broadcast(full, src=L.stage_rank(stage), group=L.world_group)
+            return full
         if stage == 0:
             return full if L.rank == 0 else None
         if L.rank == 0:  # a later stage's tensor: from that stage's sending rank
@@ -533,3 +542,47 @@ class GatheredWeights:
         local = m.state_tensors()
         for i in indices:
             yield m.state_meta[i][0], m.gather_one(i, local, dt)
+
+    # ---- per-GPU handoff (co-located SGLang: issue 40 item 3) ----------------------------------------
+    @property
+    def ranks(self) -> int:
+        """The pool's ranks: each holds a GPU a per-GPU handoff reads from."""
+        return self.model.layout.world_size
+
+    def open_everywhere(self, indices: Sequence[int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`open`, but every rank gets every full tensor (`gather_one(everywhere=True)`); collective, no
+        announcement: rank 0 calls it from `hand_off`, the followers from `serve_command`."""
+        m = self.model
+        if m.device.type == "cuda":
+            torch.cuda.set_device(m.device)
+        local = m.state_tensors()
+        for i in (self.index[j] for j in indices):
+            yield m.state_meta[i][0], m.gather_one(i, local, self.wire_dtype, everywhere=True)
+
+    def hand_off(self, indices: Sequence[int], pack: Callable[[Iterator, list], str]) -> list[str]:
+        """Rank 0: every rank packs bucket `indices` from its own full copy of the tensors — `pack(tensors,
+        metas)` → a payload (weights/ipc.py: CUDA-IPC handles of a buffer on that rank's GPU) — rank 0's
+        `pack` here, the followers' from their `leader_ready` wait (announced `handoff` command); returns
+        the payloads in rank order. The followers hold their buffer until the next bucket or `end_hand_off`
+        (rank 0 announces a bucket only after every server loaded the one before)."""
+        m = self.model
+        state = [self.index[i] for i in indices]
+        if self.announce is not None:
+            self.announce(f"handoff {m.role} {dtype_word(self.wire_dtype)} {','.join(map(str, state))}")
+        mine = pack(self.open_everywhere(indices), [self.meta[i] for i in indices])
+        return gather_payloads(m.layout, mine)
+
+    def end_hand_off(self) -> None:
+        """Rank 0, after the last bucket's replies: the followers drop their last buffer."""
+        if self.announce is not None:
+            self.announce(f"handoff {self.model.role} end")
+
+
+def gather_payloads(layout, payload: str) -> list[str]:
+    """Every rank's `payload` on rank 0, in rank order ([] elsewhere): gathered over the pool's host (gloo)
+    world group, under its timeout."""
+    if layout.world_size == 1:
+        return [payload]
+    out: list = [None] * layout.world_size if layout.rank == 0 else None
+    dist.gather_object(payload, out, dst=0, group=layout.host_world_group)
+    return out if layout.rank == 0 else []
