@@ -157,7 +157,7 @@ class TrainingSpec:
 
 @dataclass(frozen=True)
 class Allocation:
-    """A parsed allocation string. Build one with `allocation.parse_allocation` (or `Allocation.parse`).
+    """A parsed allocation string. Build one with `allocation.parse_allocation`.
 
     ``generation`` is None or the one generation component; ``training_components`` holds every
     learner component (all of them share one set of devices); ``training`` is the first of them.
@@ -169,12 +169,6 @@ class Allocation:
     colocated: bool = False
     source: str = field(default="", compare=False, repr=False)
     """The string this was parsed from (for error messages; not part of the value)."""
-
-    @staticmethod
-    def parse(text: str) -> Allocation:
-        from allocation.parser import parse_allocation
-
-        return parse_allocation(text)
 
     @property
     def training(self) -> TrainingSpec | None:

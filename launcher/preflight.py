@@ -119,7 +119,7 @@ def check_rollout_inputs(cfg: ExperimentConfig, log=lambda msg: None) -> None:
             raise PreflightError(f"rollout.tools_config={cfg.rollout.tools_config}{msg}") from None
         log(f"rollout.tools_config={cfg.rollout.tools_config}: {', '.join(t.name for t in tools)}")
     from areal_like.api.workflow import WorkflowLoadError
-    from areal_like.workflow import load_workflow
+    from areal_like.rollout.workflows import load_workflow
     from areal_like.workflow.tool_agent import tool_agent
 
     uses = [(cfg.rollout.workflow, "rollout.workflow")] + [(a, f"{w} agent_name") for a, w in agents.items()]

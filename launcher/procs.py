@@ -210,6 +210,11 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def learner_role(rank: int) -> str:
+    """The role name of learner rank `rank`: "learner" for rank 0, "learner<r>" for the others."""
+    return "learner" if rank == 0 else f"learner{rank}"
+
+
 def role_devices(plan, name: str) -> tuple[int, ...]:
     """The plan's devices of a role: `server<i>` → its server's, `learner`/`learner<r>` → rank r's."""
     if plan is None:

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from launcher.procs import ProcessTable, Role
+from launcher.procs import ProcessTable, Role, learner_role
 
 RAY_NAMESPACE = "areal_like"
 
@@ -283,7 +283,6 @@ class RayProcessTable(ProcessTable):
     # ---- placement ------------------------------------------------------------------------------
     def _layout(self, n_rollouts: int) -> None:
         """Bundles per plan node: servers, learner ranks, rollout workers (on their server's node)."""
-        from launcher.run import _learner_role
 
         per_node: dict[int, list[Slot]] = {}
 
@@ -299,7 +298,7 @@ class RayProcessTable(ProcessTable):
                                       "a server's t×p devices are one bundle on one node; use t×p ≤ devices per node")
             add(f"server{sp.index}", sp.nodes[0], tuple(sp.devices))
         for r in self.plan.ranks:
-            add(_learner_role(r.rank), r.node, (r.device,))
+            add(learner_role(r.rank), r.node, (r.device,))
         servers = self.plan.servers
         for k in range(n_rollouts):
             add(f"rollout{k}", servers[k % len(servers)].nodes[0] if servers else 0, ())

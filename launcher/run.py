@@ -36,7 +36,7 @@ from collections.abc import Callable
 from areal_like.api.config import lora_target_modules
 from areal_like.api.net import reach_host, url_host
 from areal_like.api.run_files import Endpoints
-from launcher.procs import ProcessTable, Role, end_process_group, role_kind
+from launcher.procs import ProcessTable, Role, end_process_group, learner_role, role_kind
 
 
 class RunError(RuntimeError):
@@ -729,7 +729,7 @@ class Run:
         weight_port = self.procs.free_port("learner")
         on_node: dict[int, int] = {}
         for rank in range(world):
-            name = _learner_role(rank)
+            name = learner_role(rank)
             argv = [sys.executable, "-m", "areal_like.learner.main", "--run-dir", self.run_dir,
                     "--incarnation", str(incarnation), "--weight-sync-port", str(weight_port),
                     "--device", self._learner_device, "--launch", self._launch]
@@ -1149,10 +1149,6 @@ def _file_size(path: str) -> int:
 
 
 _IGNORED = object()  # `_on_death`: nothing to do
-
-
-def _learner_role(rank: int) -> str:
-    return "learner" if rank == 0 else f"learner{rank}"
 
 
 def status_record(run_dir: str) -> dict:

@@ -77,6 +77,9 @@ class ModelConfig(_Section):
 # (`all-linear`, peft's meaning: these, not the LM head); `lm_head` may be named as well.
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = (*LORA_LINEARS, "lm_head")
+# The name the servers serve a LoRA run's adapter under (`lora_path` of every generate request, the
+# `lora_name` of every push: `weights.adapter`); each push replaces that adapter inside its pause.
+LORA_ADAPTER_NAME = "policy"
 
 
 def lora_target_modules(target_modules: str | list[str]) -> tuple[str, ...]:

@@ -189,7 +189,7 @@ def ensure_calc_agent(model_dir: str, *, seed: int = 0, log=None, **overrides) -
     (`tiny_model.build_tiny_model(agent=True)`) after `warm_start(**WARM_START)` (~1 min on 2 cores).
     Built in a temporary directory and renamed, so two launchers racing on first use never load a
     half-trained model; the recipe and its final loss are kept in `warm_start.json` next to the weights."""
-    from areal_like.data.demo_task import ensure_tiny_model
+    from areal_like.data.tiny_model import ensure_tiny_model
 
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return model_dir

@@ -43,7 +43,8 @@ import os
 import random
 
 from areal_like.data import agent_task as _agent_task  # standard library only at import time
-from areal_like.data.publish import build_model_dir_atomic, write_parquet_atomic
+from areal_like.data.publish import write_parquet_atomic
+from areal_like.data.tiny_model import ensure_tiny_model
 
 DEMO_DATA_SOURCE = "areal_like/demo"
 DIGITS = "0123456789"
@@ -96,11 +97,6 @@ def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: st
     return write_parquet_atomic(table, out_path)
 
 
-# The model the demo's measured hyper-parameters were found with (examples/grpo_learnability.py).
-DEMO_MODEL_KWARGS = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                         tie_word_embeddings=False)
-
-
 DEMO_VAL_SEED = 1_000_003  # validation prompts are drawn from their own stream, not the train file's
 
 
@@ -120,21 +116,6 @@ def ensure_demo_assets(model_dir: str | None, train_file: str | None, *, n_train
         build_demo_task(train_file, n_train=n_train, seed=seed, task=task)
     if val_file and not os.path.exists(val_file):
         build_demo_task(val_file, n_train=n_val, seed=val_seed, split="val", task=task)
-
-
-def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, then=None) -> str:
-    """Build the tiny model (the demo's, or with `agent` the tool-use variant: JSON characters, tool-call
-    tokens, a chat template with tools) in `model_dir` unless it has one. `then(tmp_dir)` runs on the
-    fresh model before it is published (the agentic demo's warm start). Written to a temporary
-    directory and renamed, so two launchers racing on first use never load a half-written model."""
-    def build(tmp: str) -> None:
-        from areal_like.data.tiny_model import build_tiny_model
-
-        build_tiny_model(tmp, seed=seed, agent=agent, **DEMO_MODEL_KWARGS)
-        if then is not None:
-            then(tmp)
-
-    return build_model_dir_atomic(model_dir, build, prefix=".tiny_model.")
 
 
 # ---- demo names: the only paths the system builds itself ------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import string
 
+from areal_like.data.publish import build_model_dir_atomic
+
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Printable ASCII without the rarely needed characters keeps the vocabulary (and the demo) small.
 CHARSET = string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=?:.,()[]<>|#_\n"
@@ -176,3 +178,21 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+# The model the demo's measured hyper-parameters were found with (examples/grpo_learnability.py).
+DEMO_MODEL_KWARGS = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         tie_word_embeddings=False)
+
+
+def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, then=None) -> str:
+    """Build the tiny model (the demo's, or with `agent` the tool-use variant: JSON characters, tool-call
+    tokens, a chat template with tools) in `model_dir` unless it has one. `then(tmp_dir)` runs on the
+    fresh model before it is published (the agentic demo's warm start). Written to a temporary
+    directory and renamed, so two launchers racing on first use never load a half-written model."""
+    def build(tmp: str) -> None:
+        build_tiny_model(tmp, seed=seed, agent=agent, **DEMO_MODEL_KWARGS)
+        if then is not None:
+            then(tmp)
+
+    return build_model_dir_atomic(model_dir, build, prefix=".tiny_model.")

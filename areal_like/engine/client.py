@@ -58,11 +58,6 @@ import msgspec
 log = logging.getLogger(__name__)
 
 
-# The name the servers serve a LoRA run's adapter under (`lora_path` of every generate request, the
-# `lora_name` of every push: `weights.adapter`); each push replaces that adapter inside its pause.
-LORA_ADAPTER_NAME = "policy"
-
-
 class GenerationError(RuntimeError):
     """A generation call failed; the message names the server."""
 

@@ -1,4 +1,10 @@
-"""Errors the embedded server's handlers raise; the middleware turns them into HTTP replies."""
+"""Errors the embedded server's handlers raise; the middleware turns them into HTTP replies (`error`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
 
 
 class RequestError(Exception):
@@ -23,3 +29,13 @@ class TooManyQueued(RequestError):
     """429: the server already holds its limit of queued tokens; retry later."""
 
     status = 429
+
+
+def error(message: str, status: int = 400, openai: bool = False) -> web.Response:
+    """The error reply: {"error": {"message": …}}, plus OpenAI's type/param/code on /v1/* paths."""
+    body: dict[str, Any] = {"message": message}
+    if openai:  # OpenAI's error object is a superset of the native one
+        kind = {400: "BadRequestError", 401: "Unauthorized", 413: "RequestTooLargeError",
+                429: "RateLimitError"}.get(status, "InternalServerError")
+        body.update(type=kind, param=None, code=status)
+    return web.json_response({"error": body}, status=status)

@@ -57,16 +57,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import areal_like
 from areal_like import metrics
-from areal_like.engine.errors import BadRequest, PayloadTooLarge, RequestError, TooManyQueued
-from areal_like.engine.lora import NOT_ENABLED, LoraRegistry
+from areal_like.engine.admin_routes import AdminRoutes
+from areal_like.engine.errors import BadRequest, PayloadTooLarge, RequestError, TooManyQueued, error
+from areal_like.engine.lora import LoraRegistry
+from areal_like.engine.lora_routes import LoraRoutes
 from areal_like.engine.openai_api import OPENAI_PATHS, OpenAIRoutes
 from areal_like.engine.runner import ModelRunner, Seq
 from areal_like.engine.sampling import derive_seed
 from areal_like.engine.scheduler import Request, Scheduler
 from areal_like.learner.logprobs import token_logprobs_from_logits
-from areal_like.weights.receive import WeightReceiver
-from areal_like.weights.shm import LOAD_FORMAT as SHM_LOAD_FORMAT
-from areal_like.weights.shm import ShmReader
 
 log = logging.getLogger("areal_like.engine.server")
 
@@ -95,7 +94,6 @@ GENERATE_NOOP = {"input_embeds": (None,), "image_data": (None, []), "video_data"
 GENERATE_META = {"log_metrics", "no_logs", "custom_labels", "conversation_id", "session_id", "routing_key",
                  "extra_key", "priority"}
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
-RECV_SLOTS = 2  # receive buffers per weight group: bucket k+1 arrives while bucket k loads
 # SGLang's ADMIN_OPTIONAL level (sglang/srt/utils/auth.py): the admin key when one is set, else the api
 # key, else open. /abort_request is on it in SGLang (≥ 0.5.2x), per-rid aborts included: a rid is no
 # secret (rids are guessable and prefix-matched), so an api-key holder must not abort others' requests.
@@ -106,15 +104,6 @@ ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/in
                "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed",
                "/update_weight_version"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
-
-
-def error(message: str, status: int = 400, openai: bool = False) -> web.Response:
-    body: dict[str, Any] = {"message": message}
-    if openai:  # OpenAI's error object is a superset of the native one
-        kind = {400: "BadRequestError", 401: "Unauthorized", 413: "RequestTooLargeError",
-                429: "RateLimitError"}.get(status, "InternalServerError")
-        body.update(type=kind, param=None, code=status)
-    return web.json_response({"error": body}, status=status)
 
 
 def _short(v: Any, n: int = 60) -> str:
@@ -187,15 +176,7 @@ class GenerationServer:
         self.scheduler = Scheduler(self.runner, max_batch_size=args.max_batch_size,
                                    weight_version=str(args.weight_version), text_stop=self._text_stop)
         self.model_name = args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
-        self.receiver = WeightReceiver(args.device)
-        self.shm = ShmReader()  # /update_weights_from_tensor's shared-memory segments (co-located learner)
         self.rng = random.Random(args.random_seed)
-        self.update_lock = asyncio.Lock()
-        # update_weights_from_distributed overlaps bucket k's load (engine thread) with bucket k+1's receive:
-        # per group, the loads of the update in flight (checked by the bucket that sets the version) and
-        # the receive count (bucket k receives into buffer k % RECV_SLOTS, free once its last load ended)
-        self._group_loads: dict[str, list[asyncio.Future]] = {}
-        self._group_received: dict[str, int] = {}
         # /release_memory_occupation: what is released now, and whether the weights came back without
         # content (resumed, no update since) — generation cannot continue in either state
         self.released: set[str] = set()
@@ -206,12 +187,11 @@ class GenerationServer:
         self.tok_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.max_token_chars = _max_token_chars(self.tokenizer)
         self._set_version(str(args.weight_version))
-        # --enable-lora: lora_name → adapter slot, and the buckets of /load_lora_adapter_from_distributed
-        # received so far per lora_name (the bucket that sets weight_version is the last)
+        # --enable-lora: lora_name → adapter slot
         self.loras = LoraRegistry() if args.enable_lora else None
-        self.lora_lock = asyncio.Lock()
-        self._lora_staged: dict[str, dict[str, torch.Tensor]] = {}
-        self._lora_staged_cfg: dict[str, dict] = {}
+        # the admin surface apart (admin_routes.py, lora_routes.py): what changes the weights and memory
+        self.admin = AdminRoutes(self)
+        self.lora_routes = LoraRoutes(self, self.admin)
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -225,25 +205,8 @@ class GenerationServer:
         r.add_get("/server_info", self.server_info)
         r.add_get("/get_server_info", self.server_info)
         r.add_get("/v1/loads", self.loads)
-        r.add_post("/pause_generation", self.pause)
-        r.add_post("/continue_generation", self.continue_)
-        r.add_post("/abort_request", self.abort_request)
-        r.add_post("/flush_cache", self.flush_cache)
-        r.add_get("/flush_cache", self.flush_cache)
-        r.add_post("/init_weights_update_group", self.init_group)
-        r.add_post("/update_weights_from_distributed", self.update_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_group)
-        r.add_post("/update_weights_from_disk", self.update_disk)
-        r.add_post("/update_weights_from_tensor", self.update_tensor)
-        r.add_post("/get_weights_by_name", self.weights_by_name)
-        r.add_post("/release_memory_occupation", self.release_memory)
-        r.add_post("/resume_memory_occupation", self.resume_memory)
-        r.add_post("/begin_weight_update", self.begin_end)
-        r.add_post("/end_weight_update", self.begin_end)
-        r.add_post("/load_lora_adapter", self.load_lora)
-        r.add_post("/unload_lora_adapter", self.unload_lora)
-        r.add_post("/load_lora_adapter_from_distributed", self.load_lora_distributed)
-        r.add_post("/update_weight_version", self.update_weight_version)
+        self.admin.add_to(app)
+        self.lora_routes.add_to(app)
         if not self.args.disable_metrics:  # metrics.prometheus=false: no /metrics (404)
             r.add_get("/metrics", self.metrics)
         OpenAIRoutes(self).add_to(app)
@@ -259,7 +222,7 @@ class GenerationServer:
     async def _on_cleanup(self, app) -> None:
         await self.scheduler.close()
         self.tok_executor.shutdown(wait=False, cancel_futures=True)
-        await asyncio.to_thread(self.receiver.close)
+        await asyncio.to_thread(self.admin.receiver.close)
 
     @web.middleware
     async def _errors_and_auth(self, request: web.Request, handler):
@@ -939,452 +902,33 @@ class GenerationServer:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    # ---------------------------------------------------------------- control
-    async def pause(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        mode = body.get("mode") or "abort"
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest(f"unknown pause mode {mode!r}: use abort, retract or in_place")
-        await self.scheduler.pause(mode)
-        return web.json_response({"success": True, "message": f"paused ({mode})"})
-
-    async def continue_(self, request: web.Request) -> web.Response:
-        blocked = self._memory_blocker()
-        if blocked:
-            raise BadRequest(f"cannot continue generation: {blocked}")
-        self._lora_resolve_held()
-        self.scheduler.resume()
-        return web.json_response({"success": True, "message": "continued"})
-
-    def _memory_blocker(self, *, for_update: bool = False) -> str:
-        """Why generation (or, `for_update`, a weight update) cannot run now; '' when it can."""
-        if "weights" in self.released:
-            return ("the weights' memory is released: POST /resume_memory_occupation "
-                    '{"tags": ["weights"]} first')
-        if for_update:
-            return ""
-        if self.released:
-            return f"memory is released ({', '.join(sorted(self.released))}): POST /resume_memory_occupation first"
-        if self.weights_undefined:
-            return ("the weights were released and resumed without content: update them first "
-                    "(/update_weights_from_disk, or /update_weights_from_distributed or "
-                    "/update_weights_from_tensor ending with a bucket that sets weight_version)")
-        return ""
-
-    def _update_refused(self, **reply) -> web.Response | None:
-        """A weight update while the weights' memory is released: SGLang's `success: false` reply (with
-        the route's other reply fields, `reply`); None when the update may run."""
-        blocked = self._memory_blocker(for_update=True)
-        if not blocked:
-            return None
-        return web.json_response({"success": False, "message": f"cannot update weights: {blocked}", **reply})
-
-    def _memory_tags(self, body: dict) -> set[str]:
-        from areal_like.weights.control import MEMORY_TAGS
-
-        tags = body.get("tags")
-        if tags is None or tags == []:
-            return set(MEMORY_TAGS)
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            raise BadRequest("'tags' must be a list of strings or null")
-        unknown = sorted(set(tags) - set(MEMORY_TAGS))
-        if unknown:
-            raise BadRequest(f"unknown memory tag(s) {unknown}: use {list(MEMORY_TAGS)} (or null for all)")
-        return set(tags)
-
-    async def release_memory(self, request: web.Request) -> web.Response:
-        """SGLang's /release_memory_occupation (co-located mode): free the KV cache and/or the weights.
-        Stricter than SGLang, which asserts an idle server: this one must be paused (/pause_generation),
-        so no request can start on freed memory."""
-        tags = self._memory_tags(await self._json(request))
-        if not self.scheduler.paused:
-            raise BadRequest("release_memory_occupation needs a paused server: POST /pause_generation first")
-        async with self.update_lock:
-            try:
-                freed = await self.scheduler.run_on_engine(self.runner.release_memory, tags)
-            except RuntimeError as e:
-                raise BadRequest(str(e))
-            self.released |= tags
-        log.info("released %s (%s)", sorted(tags), ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in freed.items()))
-        return web.json_response({"success": True, "message": f"released {sorted(tags)}", "freed_bytes": freed})
-
-    async def resume_memory(self, request: web.Request) -> web.Response:
-        """SGLang's /resume_memory_occupation: allocate what was released. Weights come back without
-        content: a weight update must land before /continue_generation is accepted."""
-        tags = self._memory_tags(await self._json(request))
-        async with self.update_lock:
-            got = await self.scheduler.run_on_engine(self.runner.resume_memory, tags & self.released)
-            if "weights" in tags & self.released:
-                self.weights_undefined = True
-            self.released -= tags
-        return web.json_response({"success": True, "message": f"resumed {sorted(tags)}", "allocated_bytes": got})
-
-    async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
-        if not rid and not abort_all:
-            raise BadRequest("give 'rid' or 'abort_all': true")
-        n = self.scheduler.abort(rid, abort_all=abort_all)
-        return web.json_response({"success": True, "message": f"aborted {n} request(s)", "num_aborted": n})
-
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        # SGLang's rule: refused while requests run or wait in the scheduler; requests held by a pause
-        # wait in SGLang's tokenizer, so they do not count (the pusher flushes while paused).
-        if self.scheduler.running or self.scheduler.waiting:
-            return error("Cache not flushed: there are running or waiting requests. Pause first.", 400)
-        # No prefix cache to drop: the batch cache lives only as long as its rows.
-        return web.json_response({"success": True, "message": "Cache flushed."})
-
-    async def begin_end(self, request: web.Request) -> web.Response:
-        return web.json_response({"success": True, "message": ""})
-
-    # ---------------------------------------------------------------- weights
-    async def weights_by_name(self, request: web.Request) -> web.Response:
-        """SGLang's `/get_weights_by_name`: the first `truncate_size` rows of one parameter as nested
-        lists of floats (exact for every served dtype), read on the engine thread (never half-loaded).
-        Admin-only here: weights are the learner's product."""
-        b = await self._json(request)
-        name, k = b.get("name"), b.get("truncate_size", 100)
-        if not isinstance(name, str) or not isinstance(k, int) or k < 1:
-            raise BadRequest("get_weights_by_name needs {\"name\": str, \"truncate_size\": int ≥ 1}")
-        own = self.runner.named_weights()
-        if name not in own:
-            raise BadRequest(f"no parameter {name!r}: see the model's state_dict names")
-
-        def read():
-            return own[name].detach()[:k].to("cpu", torch.float32).tolist()
-        return web.json_response(await self.scheduler.run_on_engine(read))
-
-    async def init_group(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        try:
-            kw = dict(master_address=str(b["master_address"]), master_port=int(b["master_port"]),
-                      rank_offset=int(b["rank_offset"]), world_size=int(b["world_size"]),
-                      group_name=str(b.get("group_name") or "weight_update_group"),
-                      backend=str(b.get("backend") or ("nccl" if self.runner.device.type == "cuda" else "gloo")),
-                      timeout_s=float(b.get("timeout_s") or self.args.weight_sync_timeout_s))
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadRequest(f"bad init_weights_update_group body: {e!r}")
-        try:
-            # Blocks until every rank joined: on a thread, so the server keeps serving meanwhile.
-            await asyncio.to_thread(self._init_group_on_thread, kw)
-        except Exception as e:
-            log.error("init_weights_update_group failed: %s", e)
-            return web.json_response({"success": False, "message": str(e)})
-        return web.json_response({"success": True, "message": f"joined group {kw['group_name']!r} as rank "
-                                                              f"{kw['rank_offset']} of {kw['world_size']}"})
-
-    def _init_group_on_thread(self, kw: dict) -> None:
-        if self.runner.device.type == "cuda":
-            torch.cuda.set_device(self.runner.device)  # NCCL binds the thread's current device
-        self.receiver.init_group(**kw)
-
-    async def update_distributed(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        try:
-            names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), [list(s) for s in b["shapes"]]
-        except (KeyError, TypeError) as e:
-            raise BadRequest(f"bad update_weights_from_distributed body: {e!r}")
-        group_name = str(b.get("group_name") or "weight_update_group")
-        refused = self._update_refused()
-        if refused is not None:
-            return refused
-        loads = self._group_loads.setdefault(group_name, [])
-        async with self.update_lock:  # receives in arrival order: the broadcasts' order
-            if b.get("abort_all_requests"):
-                self.scheduler.abort(abort_all=True, message="aborted for weight update")
-            t0 = time.perf_counter()
-            k = self._group_received.get(group_name, 0)
-            if len(loads) >= RECV_SLOTS:  # the load that last read buffer k % RECV_SLOTS must be done
-                await asyncio.wait([loads[-RECV_SLOTS]])
-            try:
-                named = await self._receive(group_name, names, dtypes, shapes, b.get("load_format"), k % RECV_SLOTS)
-            except Exception as e:
-                log.error("update_weights_from_distributed failed: %s", e)
-                return web.json_response({"success": False, "message": str(e)})
-            self._group_received[group_name] = k + 1
-            t_recv = time.perf_counter()
-            # Loads run on the engine thread (FIFO): between two decode steps, all or nothing per bucket.
-            load = asyncio.ensure_future(self.scheduler.run_on_engine(self.runner.load_weights, named))
-            loads.append(load)
-        # Outside the lock: the next bucket is received while this one loads.
-        try:
-            await load
-        except Exception as e:
-            log.error("update_weights_from_distributed failed: %s", e)
-            return web.json_response({"success": False, "message": str(e)})
-        t_load = time.perf_counter()
-        if b.get("weight_version") is not None:
-            # The last bucket of an update: every bucket of it must have landed before the version moves
-            # (the executor is FIFO, so they have finished; one that failed fails the update).
-            done = self._end_group_update(group_name)
-            failed = [f.exception() for f in done if f.exception() is not None]
-            if failed:
-                return web.json_response({"success": False, "message": (
-                    f"an earlier bucket of this update failed to load, the version stays "
-                    f"{self.scheduler.weight_version}: {failed[0]}")})
-            self._set_version(str(b["weight_version"]))
-            self.weights_undefined = False  # a whole update landed
-        metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
-        refused = self._flush_refused(b)
-        if refused is not None:
-            return refused
-        # recv_s/load_s: beyond SGLang's reply, where this server's time went (the receive includes the
-        # wait for the trainer's broadcast to start; the load, the wait for earlier buckets' loads)
-        return web.json_response({"success": True, "message": f"updated {len(names)} tensors",
-                                  "recv_s": t_recv - t0, "load_s": t_load - t_recv})
-
-    async def _receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                       load_format: str | None, slot: int) -> dict[str, torch.Tensor]:
-        """One bucket from the weight group (on a thread): per-tensor broadcasts, or one flattened bucket
-        received into the group's buffer `slot` (the tensors are views of it)."""
-        if self.runner.device.type == "cuda":
-            torch.cuda.set_device(self.runner.device)
-        return await asyncio.to_thread(self.receiver.receive, group_name=group_name, names=names, dtypes=dtypes,
-                                       shapes=shapes, load_format=load_format, slot=slot)
-
-    def _flush_refused(self, body: dict) -> web.Response | None:
-        """After a weight update's load: SGLang's rule — `flush_cache` (default true) flushes, and a flush
-        refused because requests still run or wait fails the update. No prefix cache here, but the same
-        answer. (Requests held by the pause are not running: SGLang's tokenizer holds those too.)"""
-        if body.get("flush_cache", True) and (self.scheduler.running or self.scheduler.waiting):
-            return web.json_response({"success": False, "message": (
-                "Weights were updated, but the cache was not flushed because requests are still running "
-                "or queued. Retract or finish them, then call /flush_cache.")})
-        return None
-
-    def _end_group_update(self, group_name: str) -> list[asyncio.Future]:
-        """Forget the update in flight on `group_name`; its load futures (all done once the last one is)."""
-        self._group_received.pop(group_name, None)
-        return self._group_loads.pop(group_name, [])
-
-    async def destroy_group(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        name = str(b.get("group_name") or "weight_update_group")
-        async with self.update_lock:
-            loads = self._end_group_update(name)
-            if loads:  # its receive buffers go with the group: no load may still read them
-                await asyncio.wait(loads)
-            try:
-                await asyncio.to_thread(self.receiver.destroy, name)
-            except Exception as e:
-                return web.json_response({"success": False, "message": str(e)})
-        return web.json_response({"success": True, "message": f"destroyed group {name!r}"})
-
-    async def update_disk(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        path = b.get("model_path")
-        if not path:
-            raise BadRequest("'model_path' is required")
-        if b.get("load_format") not in (None, "auto", "safetensors"):
-            raise BadRequest(f"load_format {b['load_format']!r} is not supported: use null (safetensors)")
-        refused = self._update_refused(num_paused_requests=0)
-        if refused is not None:
-            return refused
-        async with self.update_lock:
-            if b.get("abort_all_requests"):
-                self.scheduler.abort(abort_all=True, message="aborted for weight update")
-            t0 = time.perf_counter()
-            try:
-                await self.scheduler.run_on_engine(self.runner.load_weights_from_disk, str(path))
-            except Exception as e:  # the runner validated before copying / restored: old weights still serve
-                log.error("update_weights_from_disk(%s) failed, old weights kept: %s", path, e)
-                return web.json_response({"success": False, "message": f"Failed to load {path}: {e}. "
-                                          f"Rolled back to the previous weights.", "num_paused_requests": 0})
-            if b.get("weight_version") is not None:
-                self._set_version(str(b["weight_version"]))
-            self.weights_undefined = False  # every tensor of a checkpoint loaded
-            metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
-        return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
-
-    async def update_tensor(self, request: web.Request) -> web.Response:
-        """SGLang's /update_weights_from_tensor, for a co-located learner on this host: the tensors are in
-        a shared-memory segment the learner filled (`load_format` "areal_like_shm", weights/shm.py),
-        copied from there into the parameters on the engine thread (all or nothing per bucket). SGLang's
-        own payload — a pickle of CUDA-IPC handles — is refused: nothing received over HTTP is unpickled.
-        The bucket that sets `weight_version` ends the update (weights defined again after a release)."""
-        b = await self._json(request)
-        fmt = b.get("load_format")
-        if fmt != SHM_LOAD_FORMAT:
-            raise BadRequest(f"load_format {fmt!r} is not supported here: this server loads tensors from shared "
-                             f"memory only (load_format {SHM_LOAD_FORMAT!r}, see areal_like/weights/shm.py); "
-                             "SGLang's pickled CUDA-IPC payload is not unpickled")
-        try:
-            named = self.shm.read(b.get("serialized_named_tensors"))
-        except (ValueError, OSError) as e:
-            raise BadRequest(f"bad update_weights_from_tensor body: {e}")
-        refused = self._update_refused()
-        if refused is not None:
-            return refused
-        async with self.update_lock:
-            if b.get("abort_all_requests"):
-                self.scheduler.abort(abort_all=True, message="aborted for weight update")
-            t0 = time.perf_counter()
-            try:
-                await self.scheduler.run_on_engine(self.runner.load_weights, dict(named))
-            except Exception as e:  # names, shapes, dtypes checked before any copy: the old weights serve
-                log.error("update_weights_from_tensor failed: %s", e)
-                return web.json_response({"success": False, "message": str(e)})
-            if b.get("weight_version") is not None:
-                self._set_version(str(b["weight_version"]))
-                self.weights_undefined = False  # the update's last bucket landed
-            metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
-        refused = self._flush_refused(b)
-        if refused is not None:
-            return refused
-        return web.json_response({"success": True, "message": f"updated {len(named)} tensors",
-                                  "load_s": time.perf_counter() - t0})
 
 
-    # ---------------------------------------------------------------- LoRA adapters
-    def _lora_reply(self, ok: bool, error_message: str | None = None) -> web.Response:
-        """SGLang's LoRAUpdateOutput: 200 on success, 400 on failure."""
-        return web.json_response({"success": ok, "error_message": error_message,
-                                  "loaded_adapters": self.loras.loaded() if self.loras is not None else {}},
-                                 status=200 if ok else 400)
 
-    @staticmethod
-    def _lora_name_of(b: dict) -> str:
-        name = b.get("lora_name")
-        if not isinstance(name, str) or not name:
-            raise BadRequest("'lora_name' (a non-empty string) is required")
-        return name
 
-    async def load_lora(self, request: web.Request) -> web.Response:
-        """SGLang's /load_lora_adapter {lora_name, lora_path, pinned, lora_id}: a peft adapter dir as a
-        new adapter slot under `lora_name`. Refused (400, nothing changed): LoRA not enabled, the name
-        loaded, --max-loaded-loras reached, a rank over --max-lora-rank, target modules outside
-        --lora-target-modules, missing files, tensors that do not fit the model."""
-        b = await self._json(request)
-        if self.loras is None:
-            return self._lora_reply(False, NOT_ENABLED)
-        name = self._lora_name_of(b)
-        path = b.get("lora_path")
-        if not isinstance(path, str) or not path:
-            raise BadRequest("'lora_path' (the adapter directory) is required")
-        if not isinstance(b.get("pinned", False), bool):
-            raise BadRequest("'pinned' must be true or false")
-        from areal_like.weights.adapter import read_adapter_config, read_adapter_tensors
 
-        async with self.lora_lock:
-            refused = self._lora_load_refused(name)
-            if refused:
-                return self._lora_reply(False, refused)
-            try:
-                cfg = await asyncio.to_thread(read_adapter_config, path, "lora_path")
-                tensors = await asyncio.to_thread(read_adapter_tensors, path, "lora_path")
-                slot = await self.scheduler.run_on_engine(self.runner.load_lora, cfg, tensors, name)
-            except (OSError, ValueError, RuntimeError) as e:
-                log.error("load_lora_adapter %s (%s) failed: %s", name, path, e)
-                return self._lora_reply(False, f"Failed to load LoRA adapter {name} from {path}: {e}")
-            self.loras.bind(name, slot, path)
-        log.info("loaded LoRA adapter %s from %s (slot %s)", name, path, slot)
-        return self._lora_reply(True)
 
-    def _lora_load_refused(self, name: str, replacing: bool = False) -> str:
-        if name in self.loras.names and not replacing:
-            return f"Failed to load LoRA adapter {name} because it is already loaded"
-        n = len(self.loras.names) + (0 if name in self.loras.names else 1)
-        if n > self.args.max_loaded_loras:
-            return (f"Failed to load LoRA adapter {name}: the maximum number of loaded LoRA adapters "
-                    f"(--max-loaded-loras {self.args.max_loaded_loras}) is reached; unload one first")
-        return ""
 
-    async def unload_lora(self, request: web.Request) -> web.Response:
-        """SGLang's /unload_lora_adapter {lora_name}: the name goes at once; its slot is freed once no
-        request uses it."""
-        b = await self._json(request)
-        if self.loras is None:
-            return self._lora_reply(False, NOT_ENABLED)
-        name = self._lora_name_of(b)
-        async with self.lora_lock:
-            if name not in self.loras.names:
-                return self._lora_reply(False, f"LoRA with name {name} does not exist")
-            slot = self.loras.unbind(name)
-            self._lora_free_if_dead(slot)
-        log.info("unloaded LoRA adapter %s (slot %s)", name, slot)
-        return self._lora_reply(True)
 
-    async def load_lora_distributed(self, request: web.Request) -> web.Response:
-        """Our extension: an adapter pushed over the weight group. The body is an
-        /update_weights_from_distributed bucket (names: adapter tensor names without peft's prefix,
-        `model.layers.0.self_attn.q_proj.lora_A.weight`) plus `lora_name` and `config_dict` (the
-        adapter_config.json dict). Buckets are staged per lora_name; the one with a non-null
-        `weight_version` is the last: the staged tensors become a new slot that `lora_name` names
-        (replacing an adapter of that name; rows already on the old one finish on it) and the server's
-        weight version moves to it. Failures: 400, nothing changed."""
-        b = await self._json(request)
-        if self.loras is None:
-            return self._lora_reply(False, NOT_ENABLED)
-        name = self._lora_name_of(b)
-        try:
-            names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), [list(s) for s in b["shapes"]]
-        except (KeyError, TypeError) as e:
-            raise BadRequest(f"bad load_lora_adapter_from_distributed body: {e!r}")
-        cfg = b.get("config_dict")
-        if cfg is not None and not isinstance(cfg, dict):
-            raise BadRequest("'config_dict' must be the adapter_config.json object")
-        group_name = str(b.get("group_name") or "weight_update_group")
-        refused = self._update_refused()
-        if refused is not None:
-            body = json.loads(refused.body)
-            return self._lora_reply(False, body["message"])
-        async with self.update_lock:  # receives in arrival order: the broadcasts' order
-            loads = self._group_loads.get(group_name, [])
-            if loads:  # a full update's load may still read the group's receive buffers
-                await asyncio.wait(loads)
-            try:
-                named = await self._receive(group_name, names, dtypes, shapes, b.get("load_format"),
-                                            self._group_received.get(group_name, 0) % RECV_SLOTS)
-                named = {k: v.detach().to("cpu", copy=True) for k, v in named.items()}  # the buffer is reused
-            except Exception as e:
-                self._lora_staged.pop(name, None)
-                self._lora_staged_cfg.pop(name, None)
-                log.error("load_lora_adapter_from_distributed %s failed: %s", name, e)
-                return self._lora_reply(False, f"Failed to receive LoRA adapter {name}: {e}")
-            self._lora_staged.setdefault(name, {}).update(named)
-            if cfg is not None:
-                self._lora_staged_cfg[name] = cfg
-            if b.get("weight_version") is None:
-                return web.json_response({"success": True, "error_message": None,
-                                          "loaded_adapters": self.loras.loaded(),
-                                          "message": f"staged {len(names)} tensors of LoRA adapter {name}"})
-            tensors = self._lora_staged.pop(name)
-            cfg = self._lora_staged_cfg.pop(name, None)
-            if cfg is None:
-                return self._lora_reply(False, f"Failed to load LoRA adapter {name}: no config_dict was sent")
-            if b.get("abort_all_requests"):
-                self.scheduler.abort(abort_all=True, message="aborted for weight update")
-            async with self.lora_lock:
-                refused = self._lora_load_refused(name, replacing=True)
-                if refused:
-                    return self._lora_reply(False, refused)
-                try:
-                    slot = await self.scheduler.run_on_engine(self.runner.load_lora, cfg, tensors, name)
-                except (ValueError, RuntimeError) as e:
-                    log.error("load_lora_adapter_from_distributed %s failed: %s", name, e)
-                    return self._lora_reply(False, f"Failed to load LoRA adapter {name}: {e}")
-                old = self.loras.bind(name, slot, f"distributed:{group_name}@{b['weight_version']}")
-                self._lora_free_if_dead(old)
-                self._set_version(str(b["weight_version"]))
-        log.info("loaded LoRA adapter %s from group %s (slot %s, weight_version %s)", name, group_name, slot,
-                 b["weight_version"])
-        return self._lora_reply(True)
 
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        """SGLang's /update_weight_version {new_version, abort_all_requests = true}."""
-        b = await self._json(request)
-        version = b.get("new_version")
-        if not isinstance(version, str) or not version:
-            raise BadRequest("'new_version' (a non-empty string) is required")
-        abort = b.get("abort_all_requests", True)
-        if not isinstance(abort, bool):
-            raise BadRequest("'abort_all_requests' must be true or false")
-        if abort:
-            self.scheduler.abort(abort_all=True, message="aborted for weight version update")
-        self._set_version(version)
-        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
-                                  "new_version": version})
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

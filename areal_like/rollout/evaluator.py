@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
 from areal_like.api.config import EvalConfig, GenerationConfig
-from areal_like.data.dataset import PromptRecord
+from areal_like.api.workflow import PromptRecord
 from areal_like.workflow.rlvr import sample_seed
 
 

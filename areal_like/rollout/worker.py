@@ -80,7 +80,8 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
 
     from areal_like.buffer.replay_buffer import ReplayBuffer
     from areal_like.data.dataset import PromptDataset
-    from areal_like.engine.client import LORA_ADAPTER_NAME, GenerationClient
+    from areal_like.api.config import LORA_ADAPTER_NAME
+    from areal_like.engine.client import GenerationClient
     from areal_like.reward import RewardFn
     from areal_like.rollout.gate import StalenessGate
 
@@ -165,7 +166,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
                                 max_timeout_retries=cfg.rollout.request_retries, api_key=cfg.server.api_key,
                                 lora_name=LORA_ADAPTER_NAME if cfg.model.lora_rank > 0 else None) as client:
         from areal_like.rollout.dump import DumpWriter
-        from areal_like.workflow import WorkflowRunner
+        from areal_like.rollout.workflows import WorkflowRunner
 
         tools = None
         if cfg.rollout.tools_config:

@@ -14,14 +14,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Tool": "base", "ToolResult": "base", "ToolSet": "base",
+    "Tool": "base", "ToolResult": "base", "ToolSet": "toolset",
     "SandboxResult": "sandbox", "run_python": "sandbox", "run_python_sync": "sandbox",
 }
 
 __all__ = ["SandboxResult", "Tool", "ToolResult", "ToolSet", "run_python", "run_python_sync"]
 
 if TYPE_CHECKING:
-    from areal_like.tools.base import Tool, ToolResult, ToolSet
+    from areal_like.tools.base import Tool, ToolResult
+    from areal_like.tools.toolset import ToolSet
     from areal_like.tools.sandbox import SandboxResult, run_python, run_python_sync
 
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from areal_like.api.config import LORA_ADAPTER_NAME as ADAPTER_NAME  # (lora_name, lora_path)
 from areal_like.weights.source import WeightSource, as_source
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-from areal_like.engine.client import LORA_ADAPTER_NAME as ADAPTER_NAME  # noqa: E402  (lora_name, lora_path)
 
 
 # What marks a parameter of peft's LoRA layers (`…q_proj.lora_A.<adapter>.weight`), in the learner's

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from areal_like.api.config import GenerationConfig, MultiTurnConfig
 from areal_like.api.trajectory import Trajectory, TrajectoryGroup
 from areal_like.api.workflow import EpisodeContext
-from areal_like.data.dataset import PromptRecord
+from areal_like.api.workflow import PromptRecord
 
 logger = logging.getLogger(__name__)
 

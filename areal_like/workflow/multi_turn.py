@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from areal_like.api.trajectory import Trajectory
 from areal_like.api.workflow import EpisodeContext
-from areal_like.data.dataset import PromptRecord
+from areal_like.api.workflow import PromptRecord
 from areal_like.workflow import chat
 from areal_like.workflow.rlvr import gather_samples
 

@@ -9,7 +9,7 @@ import torch
 
 from areal_like.api.config import TrainConfig
 from areal_like.api.net import free_port
-from areal_like.engine.client import LORA_ADAPTER_NAME
+from areal_like.api.config import LORA_ADAPTER_NAME
 from areal_like.learner.logprobs import token_logprobs_from_logits
 from areal_like.learner.lora import LoraSettings, adapters_disabled
 from areal_like.learner.parallel.spawn import synthetic_groups

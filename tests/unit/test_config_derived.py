@@ -11,7 +11,7 @@ from areal_like.api.config import ConfigError, load_config
 from areal_like.data.dataset import PromptRecord
 from areal_like.data.tiny_model import build_char_tokenizer
 from areal_like.reward import RewardFn
-from areal_like.workflow import WorkflowRunner
+from areal_like.rollout.workflows import WorkflowRunner
 
 
 @pytest.fixture(scope="module")

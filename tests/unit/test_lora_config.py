@@ -7,7 +7,7 @@ import pytest
 
 from allocation.memory import LORA_LINEARS, ModelShape, TrainSettings, learner_parts
 from areal_like.api.config import ConfigError, load_config, lora_target_modules
-from areal_like.engine.client import LORA_ADAPTER_NAME
+from areal_like.api.config import LORA_ADAPTER_NAME
 from areal_like.learner.lora import LoraSettings, canonical_name, init_adapter_tensor
 
 

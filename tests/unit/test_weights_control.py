@@ -38,7 +38,7 @@ def test_each_transport_is_a_generation_control(tmp_path, make):
 # torch-side transports).
 ADMIN_CALLERS = {"areal_like/weights/admin.py", "areal_like/weights/push.py", "areal_like/weights/disk.py",
                  "areal_like/weights/shm.py", "areal_like/weights/ipc.py", "areal_like/weights/adapter_tensors.py",
-                 "areal_like/engine/server.py",
+                 "areal_like/engine/server.py", "areal_like/engine/admin_routes.py", "areal_like/engine/lora_routes.py",
                  "launcher/run.py"}
 
 

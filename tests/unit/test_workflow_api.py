@@ -16,7 +16,8 @@ from areal_like.data.dataset import PromptRecord
 from areal_like.data.tiny_model import build_char_tokenizer
 from areal_like.reward import RewardFn
 from areal_like.rollout.dump import group_record, record_group
-from areal_like.workflow import WorkflowRunner, chat
+from areal_like.rollout.workflows import WorkflowRunner
+from areal_like.workflow import chat
 from areal_like.workflow.tool_parser import parse_tool_calls
 
 

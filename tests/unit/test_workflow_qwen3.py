@@ -20,7 +20,8 @@ from areal_like.data.dataset import PromptRecord
 from areal_like.data.tiny_model import copy_qwen3_tokenizer
 from areal_like.reward import RewardFn
 from areal_like.rollout.dump import group_record, record_group
-from areal_like.workflow import WorkflowRunner, chat
+from areal_like.rollout.workflows import WorkflowRunner
+from areal_like.workflow import chat
 from areal_like.workflow.tool_parser import parse_tool_calls
 
 from test_workflow_api import ScriptedClient, Tools, _cfg
