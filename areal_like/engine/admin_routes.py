@@ -72,7 +72,7 @@ class AdminRoutes:
         blocked = self._memory_blocker()
         if blocked:
             raise BadRequest(f"cannot continue generation: {blocked}")
-        self.server._lora_resolve_held()
+        self.server.request_loras.resolve_held()
         self.server.scheduler.resume()
         return web.json_response({"success": True, "message": "continued"})
 

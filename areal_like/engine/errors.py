@@ -31,6 +31,12 @@ class TooManyQueued(RequestError):
     status = 429
 
 
+def short(v: Any, n: int = 60) -> str:
+    """repr of a client's value, cut to `n` characters for error messages."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "…"
+
+
 def error(message: str, status: int = 400, openai: bool = False) -> web.Response:
     """The error reply: {"error": {"message": …}}, plus OpenAI's type/param/code on /v1/* paths."""
     body: dict[str, Any] = {"message": message}

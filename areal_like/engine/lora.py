@@ -24,6 +24,7 @@ saved name without its `base_model.model.` prefix, `weights/adapter.py`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from areal_like.api.config import LORA_LINEARS, LORA_TARGETS
+from areal_like.engine.errors import BadRequest, short
 from areal_like.weights.adapter import tensor_name
 
 BASE = "__base__"  # peft's adapter name of a row without adapter (mixed-batch forward)
@@ -290,3 +292,85 @@ class LoraRegistry:
     def dead(self, slot: str) -> bool:
         """No name points to `slot` and no request holds it: it may be freed."""
         return slot not in self.names.values() and self.refs.get(slot, 0) == 0
+
+class RequestLoras:
+    """Which adapter slot each request runs with (the server's side of `lora_path`): names resolved to
+    slots at submission — or, while paused, when generation continues — held until the request ends,
+    and a slot no name points to and no request holds freed on the engine thread. `registry` None: LoRA
+    is not enabled (a request naming an adapter is a 400)."""
+
+    def __init__(self, registry: LoraRegistry | None, scheduler, runner) -> None:
+        self.registry, self.scheduler, self.runner = registry, scheduler, runner
+
+    def names(self, lp: Any, n_prompts: int) -> list[str | None]:
+        """`lora_path` of /generate: null, an adapter name, or a list of names (one, or one per prompt)."""
+        if lp is None:
+            return [None] * n_prompts
+        names = lp if isinstance(lp, list) else [lp]
+        if not names or not all(x is None or isinstance(x, str) for x in names) or len(names) not in (1, n_prompts):
+            raise BadRequest(f"'lora_path' must be a loaded adapter's name, a list of one name (or one per prompt) or "
+                             f"null, got {short(lp)}")
+        if self.registry is None and any(x is not None for x in names):
+            raise BadRequest(f"LoRA adapter '{next(x for x in names if x is not None)}' was requested, but LoRA is "
+                             "not enabled. Please launch the server with --enable-lora flag and preload adapters "
+                             "using --lora-paths or /load_lora_adapter endpoint.")
+        return names * n_prompts if len(names) == 1 else list(names)
+
+    @staticmethod
+    def unknown(name: str) -> str:
+        return f"Got LoRA adapter that has never been loaded: {name}"
+
+    def acquire(self, seq) -> bool:
+        """Resolve `seq.lora_name` to the adapter slot it names now (holding that slot until the request
+        ends); False when no adapter has that name."""
+        slot = self.registry.acquire(seq.lora_name)
+        if slot is None:
+            return False
+        self.drop(seq)
+        seq.lora = slot
+        return True
+
+    def drop(self, seq) -> None:
+        """Let go of `seq`'s adapter slot; a slot no name points to and no request holds is freed (on the
+        engine thread, once no running row uses it)."""
+        slot, seq.lora = seq.lora, None
+        if slot is None or self.registry is None:
+            return
+        self.registry.release(slot)
+        self.free_if_dead(slot)
+
+    def free_if_dead(self, slot: str | None) -> None:
+        if slot is not None and self.registry.dead(slot):
+            fut = asyncio.ensure_future(self.scheduler.run_on_engine(self.runner.free_lora, slot))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def resolve(self, jobs: list) -> None:
+        """At submission: each job's adapter name → its slot. While paused the names are resolved when
+        generation continues (`resolve_held`): a request held by a pause runs on the adapter the
+        name points to after it. An unknown name is a 400 (nothing submitted)."""
+        if self.registry is None or self.scheduler.paused:
+            return
+        for j in jobs:
+            if j.seq.lora_name is not None and not self.acquire(j.seq):
+                name = j.seq.lora_name
+                self.release(jobs)
+                raise BadRequest(self.unknown(name))
+
+    def release(self, jobs: list) -> None:
+        if self.registry is not None:
+            for j in jobs:
+                self.drop(j.seq)
+
+    def resolve_held(self) -> None:
+        """/continue_generation: the requests the pause held resolve their adapter names now (the
+        adapters may have been replaced meanwhile); an unknown name fails that request with a 400."""
+        if self.registry is None:
+            return
+        for req in list(self.scheduler.held):
+            seq = req.seq
+            if seq.lora_name is None or req.done:
+                continue
+            if not self.acquire(seq):
+                self.drop(seq)
+                self.scheduler._finish(req, {"type": "abort", "message": self.unknown(seq.lora_name),
+                                             "status_code": 400, "err_type": "BadRequest"})

@@ -102,7 +102,7 @@ class LoraRoutes:
             if name not in self.server.loras.names:
                 return self._lora_reply(False, f"LoRA with name {name} does not exist")
             slot = self.server.loras.unbind(name)
-            self.server._lora_free_if_dead(slot)
+            self.server.request_loras.free_if_dead(slot)
         log.info("unloaded LoRA adapter %s (slot %s)", name, slot)
         return self._lora_reply(True)
 
@@ -166,7 +166,7 @@ class LoraRoutes:
                     log.error("load_lora_adapter_from_distributed %s failed: %s", name, e)
                     return self._lora_reply(False, f"Failed to load LoRA adapter {name}: {e}")
                 old = self.server.loras.bind(name, slot, f"distributed:{group_name}@{b['weight_version']}")
-                self.server._lora_free_if_dead(old)
+                self.server.request_loras.free_if_dead(old)
                 self.server._set_version(str(b["weight_version"]))
         log.info("loaded LoRA adapter %s from group %s (slot %s, weight_version %s)", name, group_name, slot,
                  b["weight_version"])

@@ -27,14 +27,12 @@ import contextlib
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from areal_like.engine.errors import BadRequest
-
-if TYPE_CHECKING:
-    from areal_like.engine.server import GenerationServer, Job
+from areal_like.engine.jobs import Job
 
 OPENAI_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models"}
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -58,8 +56,8 @@ CHAT_META = {"model", "user", "metadata", "store", "service_tier", "parallel_too
 
 
 class OpenAIRoutes:
-    def __init__(self, server: "GenerationServer"):
-        self.srv = server
+    def __init__(self, server: Any):
+        self.srv = server  # the GenerationServer (server.py) whose parsing, scheduling and replies these routes use
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self.completions)
@@ -253,7 +251,7 @@ async def _gather(srv, jobs):
     return await asyncio.gather(*(srv.run_request(srv.scheduler.new_request(j.seq)) for j in jobs))
 
 
-def _usage(prompts: list[list[int]], jobs: list["Job"]) -> dict[str, int]:
+def _usage(prompts: list[list[int]], jobs: list[Job]) -> dict[str, int]:
     p = sum(len(x) for x in prompts)
     c = sum(len(j.seq.output_ids) for j in jobs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -307,7 +305,7 @@ class _Format:
             top_lp = [{self._tok(i): v for v, i in zip(*top)} if top is not None else None for top in tops]
         return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top_lp, "text_offset": offsets}
 
-    def choice(self, job: "Job", req) -> dict[str, Any]:
+    def choice(self, job: Job, req) -> dict[str, Any]:
         seq, fr = job.seq, req.finish_reason
         text = self.srv.output_text(seq, job.sp, fr)
         c: dict[str, Any] = {"index": job.index}
@@ -323,7 +321,7 @@ class _Format:
             c["token_ids"] = list(seq.output_ids)
         return c
 
-    def chunk(self, job: "Job", req, delta: str, start: int, end: int, final: bool, first: bool) -> dict[str, Any]:
+    def chunk(self, job: Job, req, delta: str, start: int, end: int, final: bool, first: bool) -> dict[str, Any]:
         seq = job.seq
         fr = req.finish_reason if final else None
         c: dict[str, Any] = {"index": job.index}

@@ -48,7 +48,6 @@ import random
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,7 +58,9 @@ import areal_like
 from areal_like import metrics
 from areal_like.engine.admin_routes import AdminRoutes
 from areal_like.engine.errors import BadRequest, PayloadTooLarge, RequestError, TooManyQueued, error
-from areal_like.engine.lora import LoraRegistry
+from areal_like.engine.errors import short as _short
+from areal_like.engine.jobs import GenOpts, Job
+from areal_like.engine.lora import LoraRegistry, RequestLoras
 from areal_like.engine.lora_routes import LoraRoutes
 from areal_like.engine.openai_api import OPENAI_PATHS, OpenAIRoutes
 from areal_like.engine.runner import ModelRunner, Seq
@@ -106,12 +107,6 @@ ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/in
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 
-def _short(v: Any, n: int = 60) -> str:
-    """repr of a client's value, cut to `n` characters for error messages."""
-    r = repr(v)
-    return r if len(r) <= n else r[:n] + "…"
-
-
 def _finite(v: int | float) -> bool:
     try:
         return math.isfinite(v)
@@ -142,27 +137,6 @@ def sse_error(message: str, status: int) -> bytes:
     return b"data: " + json.dumps({"error": {"message": message, "code": status}}).encode() + b"\n\n"
 
 
-@dataclass
-class Job:
-    """One sample of a request: its Seq, its validated sampling params, where it goes in the reply."""
-
-    seq: Seq
-    sp: dict[str, Any]
-    prompt_index: int
-    index: int
-    cost: int = 0  # tokens this sample holds in the queue budget: prompt + max_new_tokens
-
-
-@dataclass
-class GenOpts:
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    text_in_logprobs: bool = False
-    stream: bool = False
-    input_logprobs: dict[int, tuple[list, list]] = field(default_factory=dict)  # prompt index → (token, top)
-
-
 class GenerationServer:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -189,6 +163,7 @@ class GenerationServer:
         self._set_version(str(args.weight_version))
         # --enable-lora: lora_name → adapter slot
         self.loras = LoraRegistry() if args.enable_lora else None
+        self.request_loras = RequestLoras(self.loras, self.scheduler, self.runner)  # which adapter each request runs
         # the admin surface apart (admin_routes.py, lora_routes.py): what changes the weights and memory
         self.admin = AdminRoutes(self)
         self.lora_routes = LoraRoutes(self, self.admin)
@@ -575,91 +550,17 @@ class GenerationServer:
             rids_per_prompt = [uuid.uuid4().hex for _ in prompts]
         else:
             rids_per_prompt = [rid] if not batch else [f"{rid}_{i}" for i in range(len(prompts))]
-        lora_names = self._lora_names(body.get("lora_path"), len(prompts))
+        lora_names = self.request_loras.names(body.get("lora_path"), len(prompts))
         jobs = self.make_jobs(prompts, params, rids_per_prompt, opts.top_logprobs_num)
         for j in jobs:
             j.seq.lora_name = lora_names[j.prompt_index]
         return jobs, batch or len(jobs) > 1, opts, prompts
 
-    # ---------------------------------------------------------------- LoRA of requests
-    def _lora_names(self, lp: Any, n_prompts: int) -> list[str | None]:
-        """`lora_path` of /generate: null, an adapter name, or a list of names (one, or one per prompt)."""
-        if lp is None:
-            return [None] * n_prompts
-        names = lp if isinstance(lp, list) else [lp]
-        if not names or not all(x is None or isinstance(x, str) for x in names) or len(names) not in (1, n_prompts):
-            raise BadRequest(f"'lora_path' must be a loaded adapter's name, a list of one name (or one per prompt) or "
-                             f"null, got {_short(lp)}")
-        if self.loras is None and any(x is not None for x in names):
-            raise BadRequest(f"LoRA adapter '{next(x for x in names if x is not None)}' was requested, but LoRA is "
-                             "not enabled. Please launch the server with --enable-lora flag and preload adapters "
-                             "using --lora-paths or /load_lora_adapter endpoint.")
-        return names * n_prompts if len(names) == 1 else list(names)
-
-    @staticmethod
-    def _lora_unknown(name: str) -> str:
-        return f"Got LoRA adapter that has never been loaded: {name}"
-
-    def _lora_acquire(self, seq: Seq) -> bool:
-        """Resolve `seq.lora_name` to the adapter slot it names now (holding that slot until the request
-        ends); False when no adapter has that name."""
-        slot = self.loras.acquire(seq.lora_name)
-        if slot is None:
-            return False
-        self._lora_drop(seq)
-        seq.lora = slot
-        return True
-
-    def _lora_drop(self, seq: Seq) -> None:
-        """Let go of `seq`'s adapter slot; a slot no name points to and no request holds is freed (on the
-        engine thread, once no running row uses it)."""
-        slot, seq.lora = seq.lora, None
-        if slot is None or self.loras is None:
-            return
-        self.loras.release(slot)
-        self._lora_free_if_dead(slot)
-
-    def _lora_free_if_dead(self, slot: str | None) -> None:
-        if slot is not None and self.loras.dead(slot):
-            fut = asyncio.ensure_future(self.scheduler.run_on_engine(self.runner.free_lora, slot))
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    def _lora_resolve(self, jobs: list[Job]) -> None:
-        """At submission: each job's adapter name → its slot. While paused the names are resolved when
-        generation continues (`_lora_resolve_held`): a request held by a pause runs on the adapter the
-        name points to after it. An unknown name is a 400 (nothing submitted)."""
-        if self.loras is None or self.scheduler.paused:
-            return
-        for j in jobs:
-            if j.seq.lora_name is not None and not self._lora_acquire(j.seq):
-                name = j.seq.lora_name
-                self._lora_release(jobs)
-                raise BadRequest(self._lora_unknown(name))
-
-    def _lora_release(self, jobs: list[Job]) -> None:
-        if self.loras is not None:
-            for j in jobs:
-                self._lora_drop(j.seq)
-
-    def _lora_resolve_held(self) -> None:
-        """/continue_generation: the requests the pause held resolve their adapter names now (the
-        adapters may have been replaced meanwhile); an unknown name fails that request with a 400."""
-        if self.loras is None:
-            return
-        for req in list(self.scheduler.held):
-            seq = req.seq
-            if seq.lora_name is None or req.done:
-                continue
-            if not self._lora_acquire(seq):
-                self._lora_drop(seq)
-                self.scheduler._finish(req, {"type": "abort", "message": self._lora_unknown(seq.lora_name),
-                                             "status_code": 400, "err_type": "BadRequest"})
-
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         jobs, as_list, opts, prompts = await self._parse_generate(body)
         try:  # a client that disconnects cancels this handler: its requests abort (submit_request)
-            self._lora_resolve(jobs)
+            self.request_loras.resolve(jobs)
             if opts.return_logprob and opts.logprob_start_len >= 0:
                 for pi, prompt in enumerate(prompts):
                     slot = next((j.seq.lora for j in jobs if j.prompt_index == pi), None)
@@ -678,7 +579,7 @@ class GenerationServer:
             return web.json_response(replies if as_list else replies[0])
         finally:
             self.release(jobs)
-            self._lora_release(jobs)
+            self.request_loras.release(jobs)
 
     async def _stream_generate(self, request: web.Request, jobs: list[Job], as_list: bool, opts: GenOpts,
                                t0: float) -> web.StreamResponse:
@@ -743,8 +644,8 @@ class GenerationServer:
         seq = req.seq
         if seq.lora_name is not None and seq.lora is None and self.loras is not None and not self.scheduler.paused:
             # parsed while paused, submitted after the pause ended: resolve the name now
-            if not self._lora_acquire(seq):
-                req.finish_reason = {"type": "abort", "message": self._lora_unknown(seq.lora_name),
+            if not self.request_loras.acquire(seq):
+                req.finish_reason = {"type": "abort", "message": self.request_loras.unknown(seq.lora_name),
                                      "status_code": 400, "err_type": "BadRequest"}
                 req.weight_version = self.scheduler.weight_version
                 req.done = True
