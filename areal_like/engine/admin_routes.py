@@ -291,6 +291,16 @@ class AdminRoutes:
                 return web.json_response({"success": False, "message": str(e)})
         return web.json_response({"success": True, "message": f"destroyed group {name!r}"})
 
+    async def _abort_and_load(self, b: dict, load, arg) -> float:
+        """A whole-weights load under the update lock (disk, shared memory): every request aborted first if the
+        body asks (`abort_all_requests`), then `load(arg)` on the engine thread; returns when the load started
+        (perf_counter: what WEIGHT_LOAD_SECONDS measures from)."""
+        if b.get("abort_all_requests"):
+            self.server.scheduler.abort(abort_all=True, message="aborted for weight update")
+        t0 = time.perf_counter()
+        await self.server.scheduler.run_on_engine(load, arg)
+        return t0
+
     async def update_disk(self, request: web.Request) -> web.Response:
         b = await self.server._json(request)
         path = b.get("model_path")
@@ -302,11 +312,8 @@ class AdminRoutes:
         if refused is not None:
             return refused
         async with self.update_lock:
-            if b.get("abort_all_requests"):
-                self.server.scheduler.abort(abort_all=True, message="aborted for weight update")
-            t0 = time.perf_counter()
             try:
-                await self.server.scheduler.run_on_engine(self.server.runner.load_weights_from_disk, str(path))
+                t0 = await self._abort_and_load(b, self.server.runner.load_weights_from_disk, str(path))
             except Exception as e:  # the runner validated before copying / restored: old weights still serve
                 log.error("update_weights_from_disk(%s) failed, old weights kept: %s", path, e)
                 return web.json_response({"success": False, "message": f"Failed to load {path}: {e}. "
@@ -337,11 +344,8 @@ class AdminRoutes:
         if refused is not None:
             return refused
         async with self.update_lock:
-            if b.get("abort_all_requests"):
-                self.server.scheduler.abort(abort_all=True, message="aborted for weight update")
-            t0 = time.perf_counter()
             try:
-                await self.server.scheduler.run_on_engine(self.server.runner.load_weights, dict(named))
+                t0 = await self._abort_and_load(b, self.server.runner.load_weights, dict(named))
             except Exception as e:  # names, shapes, dtypes checked before any copy: the old weights serve
                 log.error("update_weights_from_tensor failed: %s", e)
                 return web.json_response({"success": False, "message": str(e)})
