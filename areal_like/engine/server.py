@@ -804,34 +804,6 @@ class GenerationServer:
         return web.Response(body=generate_latest(metrics.REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m areal_like.engine.server", description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF model dir (safetensors + tokenizer)")

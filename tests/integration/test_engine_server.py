@@ -53,6 +53,25 @@ async def wait_running(url, n=1, timeout=20.0):
     raise AssertionError("request never started running")
 
 
+async def generated_tokens(url) -> float:
+    """The server's own count of tokens decoded so far (its Prometheus counter)."""
+    _, body = await get(url, "/metrics", headers={})
+    line = next(ln for ln in body.splitlines() if ln.startswith("areal_like_generated_tokens_total "))
+    return float(line.split()[1])
+
+
+async def wait_decoding(url, since: float, timeout=20.0):
+    """Return once the server decoded a token past `since`: a running request has partial output
+    (admission alone does not mean a token yet, and a loaded machine can sit between the two)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await generated_tokens(url) > since:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the running request never decoded a token")
+
+
 def long_req(rid, n=400):
     return {"input_ids": [5, 6, 7], "rid": rid, "return_logprob": True,
             "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
@@ -199,8 +218,17 @@ async def test_concurrent_requests_are_batched(server):
 
 async def test_pause_abort_then_continue(server):
     url = server.url
+    before = await generated_tokens(url)
     task = asyncio.ensure_future(post(url, "/generate", long_req("long-1")))
     await wait_running(url)
+    await wait_decoding(url, before)
+    try:
+        await _pause_abort_then_continue(url, task)
+    finally:  # a failed assertion must not leave the module's server paused for the tests after it
+        await post(url, "/continue_generation", {}, headers=ADMIN_H)
+
+
+async def _pause_abort_then_continue(url, task):
     st, r = await post(url, "/pause_generation", {"mode": "abort"}, headers=ADMIN_H)
     assert st == 200 and r["success"]
     st, r = await task  # returned by the time pause returned: 200 + abort + partial output
@@ -225,10 +253,12 @@ async def test_pause_retract_keeps_the_request(server):
     url = server.url
     task = asyncio.ensure_future(post(url, "/generate", long_req("retract-1", n=200)))
     await wait_running(url)
-    assert (await post(url, "/pause_generation", {"mode": "retract"}, headers=ADMIN_H))[0] == 200
-    await asyncio.sleep(0.2)
-    assert not task.done()
-    await post(url, "/continue_generation", {}, headers=ADMIN_H)
+    try:
+        assert (await post(url, "/pause_generation", {"mode": "retract"}, headers=ADMIN_H))[0] == 200
+        await asyncio.sleep(0.2)
+        assert not task.done()
+    finally:
+        await post(url, "/continue_generation", {}, headers=ADMIN_H)
     st, r = await asyncio.wait_for(task, 60)
     assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 200} and len(r["output_ids"]) == 200
 
