@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from areal_like.api.config import lora_target_modules
 from areal_like.api.net import reach_host, url_host
-from areal_like.api.run_files import Endpoints
+from areal_like.api.run_files import Endpoints, reward_reached
 from launcher.procs import ProcessTable, Role, end_process_group, learner_role, role_kind
 
 
@@ -673,6 +673,12 @@ class Run:
             summary = summarize(rows, self.cfg.rollout.max_staleness, time.monotonic() - t0,
                                 new_rows=rows[self._rows_before:])
             summary["exit_reason"] = self._stop_reason or ("completed" if rc == 0 else "failed")
+            t = self.cfg.train
+            if (rc == 0 and not self._stop_reason and rows and rows[-1]["step"] < t.total_steps
+                    and reward_reached([r["reward_mean"] for r in rows[self._rows_before:]  # the last learner's
+                                        if r.get("incarnation") == rows[-1].get("incarnation")],  # own window
+                                       t.stop_reward, t.stop_reward_window) is not None):
+                summary["exit_reason"] = "reward_reached"  # the learner ended the run early (train.stop_reward)
             summary["reward_failures"] = dict(self._reward_failures)
             summary["buffer"] = dict(self._buffer_stats)  # over the run dir's whole life (Redis AOF)
             summary["restarts"] = list(self._restarts)

@@ -8,6 +8,7 @@ aliases where they mean the same thing (see `ALIASES`). This module does not sta
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any, Literal
 
@@ -354,6 +355,14 @@ class TrainConfig(_Section):
     """B: groups per training step (each of `generation.n` samples)."""
     total_steps: int = 40
     """Training steps (one policy version each) before the run ends."""
+    stop_reward: float | None = None
+    """End the run early once the mean training reward (`reward_mean` of metrics.jsonl) of the last
+    `train.stop_reward_window` steps reaches this: the learner stops as on `launcher stop` (the step in
+    hand finished, pushed, checkpointed and exported), and summary.json says `exit_reason:
+    reward_reached`. The window counts the steps of this start (a resumed run needs a new window).
+    None = run all `train.total_steps`."""
+    stop_reward_window: int = 5
+    """Steps whose mean reward `train.stop_reward` compares (≥ 1)."""
     lr: float = 1e-3
     """AdamW learning rate (the peak, after warm-up)."""
     weight_decay: float = 0.0
@@ -1104,6 +1113,12 @@ class ExperimentConfig(_Section):
                               f"max_new_tokens ({self.generation.max_new_tokens}): set reward.overlong_buffer_len=0")
         if not 0 <= self.algorithm.lam <= 1 or not 0 <= self.algorithm.gamma <= 1:
             raise ConfigError("algorithm.gamma and algorithm.lam must be in [0, 1]")
+        if self.train.stop_reward_window < 1:
+            raise ConfigError(f"train.stop_reward_window={self.train.stop_reward_window} must be ≥ 1 (the steps "
+                              f"whose mean reward train.stop_reward compares): set train.stop_reward_window=5")
+        if self.train.stop_reward is not None and not math.isfinite(self.train.stop_reward):
+            raise ConfigError(f"train.stop_reward={self.train.stop_reward} must be a finite reward, or null to run "
+                              f"all train.total_steps")
         if self.train.test_freq < 0:
             raise ConfigError(f"train.test_freq={self.train.test_freq} must be ≥ 0 (0 = no validation): "
                               f"set train.test_freq=0")

@@ -174,3 +174,13 @@ def trained_steps(trained_log: str) -> dict[int, list[str]]:
                 steps[int(ev["step"])] = list(ev["groups"])
     return dict(sorted(steps.items()))
 
+
+
+def reward_reached(rewards: list[float], target: float | None, window: int) -> float | None:
+    """`train.stop_reward`: the mean reward of the last `window` steps when it reaches `target` (the
+    learner then stops, and the launcher's summary says `reward_reached`), else None. Fewer steps than
+    the window never reach it; a NaN reward keeps the mean below any target."""
+    if target is None or len(rewards) < window:
+        return None
+    mean = sum(rewards[-window:]) / window
+    return mean if mean >= target else None

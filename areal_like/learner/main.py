@@ -69,7 +69,7 @@ import msgspec
 
 from areal_like import metrics as M
 from areal_like.api.config import ExperimentConfig, decode_config
-from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics
+from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics, reward_reached
 from areal_like.buffer.staleness import StalenessPolicy, trained_staleness
 from areal_like.weights.admin import WeightPushError
 from areal_like.weights.control import GenerationControl
@@ -146,6 +146,8 @@ class Coordinator:
         from areal_like.metrics.loggers import make_loggers
 
         self.loggers = make_loggers(cfg, run_dir, incarnation, on_error=_log)  # TensorBoard, W&B (rank 0 only)
+        self.rewards: list[float] = []  # reward_mean of each step of this start, for train.stop_reward
+        self.reward_reached: float | None = None  # their window's mean once it reached train.stop_reward
 
     async def start(self, extra: dict | None, version: int, layout, weights, rollback: bool = False) -> None:
         """Recover the buffer, set up weight sync and make every server serve `weights` (a
@@ -200,7 +202,10 @@ class Coordinator:
 
         While it waits for data it re-syncs servers the launcher restarted (a restarted server holds
         its requests until weights are pushed: without this a run whose only server restarted stalls).
-        None when asked to stop meanwhile: what was read stays pending and is recovered next time."""
+        None when asked to stop meanwhile: what was read stays pending and is recovered next time —
+        or once `train.stop_reward` was reached (the run ends as on a stop, reading nothing more)."""
+        if self.reward_reached is not None:
+            return None
         pol = self.policy
         t0 = time.monotonic()
         b = Batch()
@@ -499,6 +504,12 @@ class Coordinator:
         for s in staleness:
             M.STALENESS.observe(s)
         M.TRAINED_TOKENS.inc(stats["loss_tokens"])
+        self.rewards.append(stats["reward_mean"])
+        t = self.cfg.train
+        self.reward_reached = reward_reached(self.rewards, t.stop_reward, t.stop_reward_window)
+        if self.reward_reached is not None:
+            _log(f"train.stop_reward={t.stop_reward} reached at step {step}: mean reward "
+                 f"{self.reward_reached:.3f} over the last {t.stop_reward_window} steps; the run ends")
 
     def _write_row(self, row: StepMetrics, extra: dict | None = None) -> None:
         """A step's row: metrics.jsonl (always), then every tracker of `metrics.loggers`."""

@@ -35,12 +35,14 @@ def _trained(run_dir) -> list[list[str]]:
 @pytest.mark.parametrize("eta", [0, 1])
 def test_colocated_demo_learns(tmp_path, run_launcher, eta):
     run_dir = tmp_path / "run"
-    steps = 200
-    rc, out = run_launcher(run_dir, f"train.total_steps={steps}", f"rollout.max_staleness={eta}", "train.test_freq=100",
-                           allocation=COLOCATED, timeout=600)
+    # the run ends at its criterion (train.stop_reward: the mean reward of the last 5 steps ≥ 0.8; the demo
+    # passes 0.8 by step ~120–140), 300 steps at most
+    rc, out = run_launcher(run_dir, "train.total_steps=300", "train.stop_reward=0.8", f"rollout.max_staleness={eta}",
+                           "train.test_freq=20", allocation=COLOCATED, timeout=600)
     assert rc == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["reward_last"] >= 0.8, summary
+    steps = summary["steps"]
+    assert summary["exit_reason"] == "reward_reached" and steps < 300 and summary["reward_last"] >= 0.8, summary
     assert summary["max_staleness_observed"] <= eta, summary
     # every step: the server released its memory, the learner trained, handed the weights over, the
     # server resumed — in that order, logged by the learner

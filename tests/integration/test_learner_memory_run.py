@@ -46,7 +46,7 @@ def test_demo_learns_sharded_with_gradient_checkpointing(tmp_path, run_launcher)
     (`fsdp:d2`: parameters, gradients and AdamW state in halves) with every decoder layer recomputed
     in backward and logits in chunks: the learning is the same learning."""
     run_dir = tmp_path / "run"
-    rc, out = run_launcher(run_dir, "train.total_steps=200", "train.test_freq=0",
+    rc, out = run_launcher(run_dir, "train.total_steps=300", "train.stop_reward=0.8", "train.test_freq=0",
                            "model.enable_gradient_checkpointing=true", "train.logits_chunk_tokens=16",
                            allocation="embedded:d1+fsdp:d2", timeout=600)
     assert rc == 0, out[-4000:]
@@ -54,7 +54,9 @@ def test_demo_learns_sharded_with_gradient_checkpointing(tmp_path, run_launcher)
     assert "gradient checkpointing on (actor)" in log
     assert "FSDP2 over dp=2 (train.dp_sharding=full" in log
     rewards = [r["reward_mean"] for r in _rows(run_dir)]
-    assert len(rewards) == 200 and sum(rewards[-5:]) / 5 >= 0.8, rewards[::10]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["exit_reason"] == "reward_reached" and summary["steps"] == len(rewards) < 300, summary
+    assert sum(rewards[-5:]) / 5 >= 0.8 and sum(rewards[-6:-1]) / 5 < 0.8, rewards[::10]  # stopped at the step
 
 
 def test_sharded_pool_pushes_through_disk_and_exports_in_shards_under_launcher(tmp_path, run_launcher):

@@ -34,12 +34,14 @@ def _adapter_bytes(model_dir: str) -> tuple[int, int]:
 
 def test_lora_demo_learns_with_adapter_only_pushes(tmp_path, run_launcher, demo_assets):
     run_dir = tmp_path / "run"
-    steps = 200
-    rc, out = run_launcher(run_dir, *LORA, f"train.total_steps={steps}", "train.save_freq=100", "train.export_hf=true",
-                           "train.export_merged=true", "train.test_freq=100", timeout=600)
+    # ends at its criterion (train.stop_reward: last 5 steps' mean reward ≥ 0.8), saved and exported there
+    rc, out = run_launcher(run_dir, *LORA, "train.total_steps=300", "train.stop_reward=0.8", "train.save_freq=100",
+                           "train.export_hf=true", "train.export_merged=true", "train.test_freq=100", timeout=600)
     assert rc == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["reward_last"] >= 0.8, summary
+    steps = summary["steps"]
+    assert summary["exit_reason"] == "reward_reached" and steps < 300 and summary["reward_last"] >= 0.8, summary
+    assert f"train.stop_reward=0.8 reached at step {steps}" in (run_dir / "logs" / "learner.log").read_text()
     assert summary["buffer"]["workflow_failures"]["generation"] == 0, summary  # no request before the adapter
     adapter, whole = _adapter_bytes(demo_assets[0])
     rows = _rows(run_dir)
@@ -87,12 +89,12 @@ def test_lora_colocated_demo_learns_keeping_the_servers_base(tmp_path, run_launc
     cache — a push carries the adapter alone, so it keeps its frozen base — the adapter is handed over as a
     peft dir (`/load_lora_adapter`) inside the phase, and the demo learns."""
     run_dir = tmp_path / "run"
-    steps = 200
-    rc, out = run_launcher(run_dir, *LORA, f"train.total_steps={steps}", "rollout.max_staleness=1",
+    rc, out = run_launcher(run_dir, *LORA, "train.total_steps=300", "train.stop_reward=0.8", "rollout.max_staleness=1",
                            "train.test_freq=0", allocation="embedded:d1|fsdp:d1", timeout=600)
     assert rc == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["reward_last"] >= 0.8, summary
+    steps = summary["steps"]
+    assert summary["exit_reason"] == "reward_reached" and steps < 300 and summary["reward_last"] >= 0.8, summary
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert learner_log.count("co-located step: release") == steps and "weights.mode=memory" in learner_log
     server_log = (run_dir / "logs" / "server0.log").read_text()
