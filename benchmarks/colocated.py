@@ -167,7 +167,7 @@ async def handoff_rounds(url: str, weights, rounds: int, bucket: int) -> dict[st
         for _ in range(rounds):
             for name, p in (("shm", shm), ("broadcast", bcast)):
                 res = await p.update(weights, v)
-                out[name].append(res["push_s"])
+                out[name].append(res.push_s)
                 v += 1
     finally:
         await shm.close()

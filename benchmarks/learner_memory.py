@@ -79,7 +79,7 @@ def rank_main(rank: int, port: int, model_dir: str, sharding: str, ckpt: bool, o
         t0 = time.perf_counter()
         st = ln.train_step(_groups(step), version=step)
         times.append(time.perf_counter() - t0)
-        tokens = st["num_tokens"]
+        tokens = st.num_tokens
     peak = _status("VmHWM") - base
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"peak": peak, "times": times, "tokens": tokens}, f)

@@ -81,7 +81,7 @@ def learner_main(model_dir: str, rank: int, steps: int, samples: int, tokens: in
         t0 = time.perf_counter()
         st = t.train_step(_groups(step, samples, tokens), version=step)
         times.append(time.perf_counter() - t0)
-        n_tok = st["num_tokens"]
+        n_tok = st.num_tokens
     trainable = sum(p.numel() for p in t.actor.opt_params)
     with open(out, "w") as f:
         json.dump({"peak": _status("VmHWM") - base, "times": times, "tokens": n_tok, "trainable": trainable}, f)
@@ -118,7 +118,7 @@ async def _push_rounds(model_dir: str, url: str, tmp: str, rounds: int) -> dict:
                 for kind, weights in (("full", full), ("adapter", adapter)):
                     v += 1
                     res = await pusher.update(weights, v)
-                    out.setdefault(f"{name} {kind}", []).append((res["push_s"], res["bytes"]))
+                    out.setdefault(f"{name} {kind}", []).append((res.push_s, res.bytes))
         finally:
             await pusher.close()
     return out

@@ -174,11 +174,11 @@ async def measure(args, urls: list[str], weights, log_dir: str) -> dict:
                         st = await pusher.update(weights, version)
                         raw_s = raw.round(sizes, raw_bufs)
                         if r:
-                            rows.append((st["push_s"], bcast_s[0], flat_s[0], raw_s, ctl_s[0] / n,
+                            rows.append((st.push_s, bcast_s[0], flat_s[0], raw_s, ctl_s[0] / n,
                                          srv["recv_s"], srv["load_s"]))
                     del raw_bufs
                     med = [statistics.median(col) for col in zip(*rows)]
-                    res[(n, bb)] = {"bytes": st["bytes"], "buckets": st["buckets"], "push_s": med[0],
+                    res[(n, bb)] = {"bytes": st.bytes, "buckets": st.buckets, "push_s": med[0],
                                     "bcast_s": med[1], "flat_s": med[2], "raw_s": med[3], "ctl_s": med[4],
                                     "srv_recv_s": med[5], "srv_load_s": med[6],
                                     "ratio": statistics.median(rw[3] / rw[0] for rw in rows),

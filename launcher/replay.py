@@ -84,6 +84,7 @@ def replay(args) -> int:
     if args.steps:
         steps = steps[:args.steps]
     out = args.out or os.path.join(args.dump_dir, "replay.jsonl")
+    import msgspec
     import torch
 
     # The run's learner computed with train.torch_threads threads (learner/main.py); a CPU matmul split
@@ -96,10 +97,11 @@ def replay(args) -> int:
         for k, step_groups in enumerate(steps, 1):
             stats = trainer.train_step(step_groups, k - 1)
             row = {"step": k, "groups": [g.group_id for g in step_groups]}
-            row.update({key: v for key, v in stats.items() if isinstance(v, (int, float, bool)) or v is None})
+            row.update({key: v for key, v in msgspec.structs.asdict(stats).items()
+                        if isinstance(v, (int, float, bool)) or v is None})
             f.write(json.dumps(row) + "\n")
-            print(f"[replay] step {k}: loss {stats['loss']:.6g} reward {stats['reward_mean']:.3f} "
-                  f"samples {stats['num_samples']}", flush=True)
+            print(f"[replay] step {k}: loss {stats.loss:.6g} reward {stats.reward_mean:.3f} "
+                  f"samples {stats.num_samples}", flush=True)
     return 0
 
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Annotated
 
 import msgspec
+
+from areal_like.api.step_stats import Published, PushResult, TrainStats, published, published_fields
 
 ENDPOINTS_FILE = "endpoints.json"
 METRICS_FILE = "metrics.jsonl"
@@ -80,77 +83,71 @@ class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                     "first") from None
 
 
-class StepMetrics(msgspec.Struct, kw_only=True, omit_defaults=False):
-    """One learner step as `metrics.jsonl` records it (every step trained B groups; a statistic the
-    step's algorithm does not compute is NaN or null)."""
+class StepMetrics(msgspec.Struct, kw_only=True):
+    """One learner step as `metrics.jsonl` records it: the step's run fields (version, staleness, drops,
+    fetch, …), then its `TrainStats` and `PushResult` fields (api/step_stats.py; a field's `published`
+    annotation names its row key, tracker name and Prometheus series). Every step trained B groups; a
+    statistic the step's algorithm does not compute is NaN or null."""
 
-    step: int
-    version: int
-    """Policy version after this step's weights landed on every server."""
-    reward_mean: float
-    staleness_max: int
-    staleness_mean: float = float("nan")
-    """Mean staleness (versions behind the weights it was trained with) of the step's B groups."""
-    dropped_stale: int
-    filtered: int = 0
-    """Groups dropped by DAPO dynamic sampling (all rewards equal) while filling this step."""
-    samples: int
-    step_s: float
-    push_s: float
-    pause_window_s: float | None = None
-    push_bytes: int | None = None
-    """Bytes the step's weight push carried (as sent: in the servers' dtype) — with LoRA
-    (`model.lora_rank` > 0) the adapter alone; None for a transport that does not count them."""
-    fetch_s: float
-    loss: float
-    grad_norm: float
-    clipfrac: float
-    approx_kl: float
-    behav_w_min: float = float("nan")
-    behav_w_max: float
-    behav_tokens_capped: int = 0
-    """Loss tokens the behaviour correction acted on: π_prox/π_behav over the cap (capped or masked),
-    or outside `train.rejection_sampling`'s range (masked, or clamped)."""
-    mismatch_logp_abs_mean: float = float("nan")
-    """Training–inference mismatch: mean |log π_learner − log π_behav| over the loss tokens measured,
-    π_learner = the learner's logprobs with the step's starting weights (the recomputed π_prox, or
-    the first optimizer step's forward), π_behav = the servers'. Includes the policy lag of stale tokens."""
-    mismatch_logp_abs_max: float = float("nan")
-    """Largest |log π_learner − log π_behav| of the step."""
-    mismatch_kl: float = float("nan")
-    """KL(π_behav ‖ π_learner) estimated on the sampled tokens (k3: mean of r − 1 − log r, r = π_learner/π_behav)."""
-    mismatch_ratio_outside: float = float("nan")
-    """Share of the measured tokens whose r = π_learner/π_behav is outside [0.5, 5]."""
-    mismatch_tokens: int = 0
-    """Loss tokens the mismatch statistics cover (all of the step's, or its first minibatch's when no
-    π_prox recompute ran and the step takes several optimizer steps)."""
-    kl_ref: float | None = None
-    """Mean KL(π_θ ‖ π_ref) over loss tokens (the configured estimator); None without a reference."""
-    entropy: float = float("nan")
-    value_loss: float | None = None
-    """Critic loss (GAE only)."""
-    adv_abs_mean: float = float("nan")
-    optimizer_steps: int = 1
-    loss_tokens: int
-    skipped: bool
-    incarnation: int
-    device_mem_peak_gib: float | None = None
-    """Learner rank 0's peak of allocated CUDA memory during the train step (GiB,
-    `torch.cuda.max_memory_allocated`, reset at the step's start); None on CPU."""
-    time: float | None = None
-    """Unix seconds when learner rank 0 made this row (the step's weights had landed); None in older files."""
-    reward_failures: dict[str, int] = msgspec.field(default_factory=dict)
-    """Reward calls that failed so far in the run, by kind (exception, timeout, non_finite, not_a_number),
-    over every rollout worker (flattened to `reward_failures/<kind>` keys in the file)."""
-    val: dict[str, float] = msgspec.field(default_factory=dict)
-    """Validation results of this step (flattened to `val/<data_source>/<metric>` keys in the file)."""
+    step: Annotated[int, published("Learner step (1, 2, …); the trackers' x axis.", tracker=None)]
+    version: Annotated[int, published("Policy version after this step's weights landed on every server.",
+                                      tracker="train/version")]
+    staleness_max: Annotated[int, published("Largest staleness (versions behind the weights it was trained with) "
+                                            "of the step's B groups.", tracker="rollout/staleness_max")] = 0
+    staleness_mean: Annotated[float, published("Mean staleness of the step's B groups.",
+                                               tracker="rollout/staleness_mean")] = float("nan")
+    dropped_stale: Annotated[int, published("Groups dropped as too stale while filling this step (replaced).",
+                                            tracker="rollout/dropped_stale")] = 0
+    filtered: Annotated[int, published("Groups dropped by DAPO dynamic sampling (all rewards equal) while filling "
+                                       "this step.", tracker="rollout/filtered")] = 0
+    fetch_s: Annotated[float, published("Seconds rank 0 waited for the step's B groups.",
+                                        tracker="perf/fetch_s")] = 0.0
+    incarnation: Annotated[int, published("How many times the launcher restarted the learner pool before this "
+                                          "row's learner.", tracker="train/incarnation")] = 0
+    time: Annotated[float | None, published("Unix seconds when learner rank 0 made this row (the step's weights "
+                                            "had landed); the trackers keep their own.", tracker=None)] = None
+    reward_failures: Annotated[dict[str, int], published(
+        "Reward calls that failed so far in the run, by kind (exception, timeout, non_finite, not_a_number), "
+        "over every rollout worker: `reward_failures/<kind>` keys in the file.",
+        tracker="rollout/reward_failures/")] = msgspec.field(default_factory=dict)
+    val: Annotated[dict[str, float], published(
+        "Validation results of this step: `val/<data_source>/<metric>` keys in the file.",
+        tracker="val/")] = msgspec.field(default_factory=dict)
+    train: TrainStats = msgspec.field(default_factory=TrainStats)
+    push: PushResult = msgspec.field(default_factory=PushResult)
 
     def to_row(self) -> dict:
-        row = msgspec.to_builtins(self)
-        val = row.pop("val")
-        row.update({f"reward_failures/{k}": v for k, v in row.pop("reward_failures").items()})
-        row.update(val)
-        return row
+        """The metrics.jsonl line: run fields, then the train and push fields under their row keys, the
+        dict fields flattened (`reward_failures/<kind>`, `val/…`)."""
+        row = {f.name: getattr(self, f.name) for f in RUN_FIELDS if f.name not in ("reward_failures", "val")}
+        for part, fields in ((self.train, TRAIN_FIELDS), (self.push, PUSH_FIELDS)):
+            row.update({f.row: getattr(part, f.name) for f in fields if f.row is not None})
+        row.update({f"reward_failures/{k}": v for k, v in self.reward_failures.items()})
+        row.update(self.val)
+        return msgspec.to_builtins(row)
+
+    @classmethod
+    def from_row(cls, row: dict) -> StepMetrics:
+        """A row back as a StepMetrics (a held row kept in a checkpoint); keys it does not know are left out,
+        missing ones take their defaults. Also reads the nested `val`/`reward_failures` of older files."""
+        run = {f.name: row[f.name] for f in RUN_FIELDS if f.name in row and f.name not in ("reward_failures", "val")}
+        val = dict(row.get("val") or {}) | {k: v for k, v in row.items() if k.startswith("val/")}
+        failures = dict(row.get("reward_failures") or {}) | {
+            k.removeprefix("reward_failures/"): v for k, v in row.items() if k.startswith("reward_failures/")}
+        parts = {name: {f.name: row[f.row] for f in fields if f.row is not None and f.row in row}
+                 for name, fields in (("train", TRAIN_FIELDS), ("push", PUSH_FIELDS))}
+        return msgspec.convert({**run, "val": val, "reward_failures": failures, **parts}, cls, strict=False)
+
+
+RUN_FIELDS = published_fields(StepMetrics, skip=("train", "push"))
+TRAIN_FIELDS = published_fields(TrainStats)
+PUSH_FIELDS = published_fields(PushResult)
+
+
+def row_fields() -> list[Published]:
+    """Every published field of a metrics.jsonl row in the row's order (run, train, push) — docs/metrics.md,
+    the trackers' names and the field-walking test read this."""
+    return RUN_FIELDS + TRAIN_FIELDS + PUSH_FIELDS
 
 
 def append_metrics(run_dir: str, m: StepMetrics) -> None:

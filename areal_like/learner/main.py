@@ -65,11 +65,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 
 from areal_like import metrics as M
 from areal_like.api.config import ExperimentConfig, decode_config
 from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics, reward_reached
+from areal_like.api.step_stats import PushResult, TrainStats
 from areal_like.buffer.staleness import StalenessPolicy, trained_staleness
 from areal_like.weights.admin import WeightPushError
 from areal_like.weights.control import GenerationControl
@@ -168,7 +168,7 @@ class Coordinator:
         self.pushed = (weights, version)
         held = (extra or {}).get("held_row")
         if held is not None:  # the previous learner died before writing it (waiting for its validation)
-            self.held_row = msgspec.convert(json.loads(held), StepMetrics)
+            self.held_row = StepMetrics.from_row(json.loads(held))
             if self.evals is None:  # no validation any more (data.val_files unset on resume): write it as is
                 self._write_row(self.held_row)
                 self.held_row = None
@@ -302,7 +302,7 @@ class Coordinator:
         self.phase_log.update(seconds)
 
     # ---- push, re-sync, version, commit ----------------------------------------------------------------
-    async def push(self, weights, version: int) -> dict:
+    async def push(self, weights, version: int) -> PushResult:
         """Push the step's weights as `version`, re-syncing first if a server restarted since the last
         push, and after a failed push (see `_push`). Co-located: the handoff inside the training phase —
         the servers get their weights' memory back and load the new ones, and stay paused
@@ -328,7 +328,7 @@ class Coordinator:
             weights, version = self.pushed
             await self._push(weights, version, resync=reason)
 
-    async def _push(self, weights, version: int, resync: str | None = None, in_phase: bool = False) -> dict:
+    async def _push(self, weights, version: int, resync: str | None = None, in_phase: bool = False) -> PushResult:
         """Push `weights` as `version`. With `resync` (why), and after a push that failed (a server
         died mid-push), re-sync: wait until every server answers, re-form the weight group, push
         (pause → buckets → continue, which also continues a server started paused). At most
@@ -415,7 +415,7 @@ class Coordinator:
         if self.held_row is not None and self.held_row.step == step:
             # waiting for its validation: a learner restarted from this checkpoint writes it with the results
             # (as a JSON string: json keeps NaN statistics, msgspec's JSON would turn them into null)
-            extra["held_row"] = json.dumps(msgspec.to_builtins(self.held_row))
+            extra["held_row"] = json.dumps(self.held_row.to_row())
         return extra
 
     # ---- validation ----------------------------------------------------------------------------------
@@ -459,27 +459,17 @@ class Coordinator:
             self.held_row = None
 
     # ---- report --------------------------------------------------------------------------------------
-    def report(self, step: int, version: int, stats: dict, batch: Batch, push: dict) -> None:
+    def report(self, step: int, version: int, stats: TrainStats, batch: Batch, push: PushResult) -> None:
         """The step's metrics row and Prometheus. A step whose weights are being validated has its row
         held until `collect_eval` adds the results (before the next push, or at the end)."""
         staleness = trained_staleness(batch.groups, version - 1)  # trained at version − 1; `version` is published
         buffer_stats = self.buffer.refresh_metrics()  # also sets the buffer gauges
         row = StepMetrics(
-            step=step, version=version, reward_mean=stats["reward_mean"], staleness_max=max(staleness, default=0),
+            step=step, version=version, staleness_max=max(staleness, default=0),
             staleness_mean=sum(staleness) / len(staleness) if staleness else float("nan"),
-            dropped_stale=batch.dropped_stale, filtered=batch.filtered, samples=stats["num_samples"],
-            step_s=stats["step_s"], push_s=push["push_s"], pause_window_s=push.get("pause_window_s"),
-            push_bytes=push.get("bytes"),
-            fetch_s=batch.fetch_s, loss=stats["loss"], grad_norm=stats["grad_norm"], clipfrac=stats["clipfrac"],
-            approx_kl=stats["approx_kl"], behav_w_min=stats["behav_w_min"], behav_w_max=stats["behav_w_max"],
-            behav_tokens_capped=stats["behav_tokens_capped"], kl_ref=stats["kl_ref"], entropy=stats["entropy"],
-            mismatch_logp_abs_mean=stats["mismatch_logp_abs_mean"], mismatch_logp_abs_max=stats["mismatch_logp_abs_max"],
-            mismatch_kl=stats["mismatch_kl"], mismatch_ratio_outside=stats["mismatch_ratio_outside"],
-            mismatch_tokens=stats["mismatch_tokens"], device_mem_peak_gib=stats.get("device_mem_peak_gib"),
-            value_loss=stats["value_loss"], adv_abs_mean=stats["adv_abs_mean"],
-            optimizer_steps=stats["optimizer_steps"], loss_tokens=stats["loss_tokens"], skipped=stats["skipped"],
+            dropped_stale=batch.dropped_stale, filtered=batch.filtered, fetch_s=batch.fetch_s,
             incarnation=self.incarnation, time=time.time(), reward_failures=buffer_stats.get("reward_failures", {}),
-            val=self.carry_val)
+            val=self.carry_val, train=stats, push=push)
         self.carry_val = {}
         # buffer state for the trackers (`buffer/…`); metrics.jsonl rows carry what StepMetrics has
         extra = {f"buffer_{k}": buffer_stats[k] for k in ("depth", "pending", "oldest_age_s") if k in buffer_stats}
@@ -489,22 +479,12 @@ class Coordinator:
             self._write_row(row, extra)
         M.POLICY_VERSION.set(version)
         M.LEARNER_STEP.set(step)
-        M.STEP_SECONDS.observe(stats["step_s"])
-        M.PUSH_SECONDS.observe(push["push_s"])
-        M.FETCH_SECONDS.observe(row.fetch_s)
-        for gauge, key in ((M.REWARD_MEAN, "reward_mean"), (M.LOSS, "loss"), (M.CLIPFRAC, "clipfrac"),
-                           (M.APPROX_KL, "approx_kl"), (M.KL_REF, "kl_ref"), (M.ENTROPY, "entropy"),
-                           (M.GRAD_NORM, "grad_norm"), (M.VALUE_LOSS, "value_loss"), (M.BEHAV_W_MAX, "behav_w_max")):
-            if stats[key] is not None:
-                gauge.set(stats[key])
-        for stat in ("logp_abs_mean", "logp_abs_max", "kl", "ratio_outside"):
-            M.MISMATCH.labels(stat).set(stats[f"mismatch_{stat}"])
-        M.BEHAV_TOKENS_CORRECTED.set(stats["behav_tokens_capped"])
+        M.FETCH_SECONDS.observe(row.fetch_s)  # push seconds: the pushers observe them (re-syncs too)
+        M.observe_train(stats)  # every TrainStats field with a series (api/step_stats.py)
         M.STALENESS_MAX.set(row.staleness_max)
         for s in staleness:
             M.STALENESS.observe(s)
-        M.TRAINED_TOKENS.inc(stats["loss_tokens"])
-        self.rewards.append(stats["reward_mean"])
+        self.rewards.append(stats.reward_mean)
         t = self.cfg.train
         self.reward_reached = reward_reached(self.rewards, t.stop_reward, t.stop_reward_window)
         if self.reward_reached is not None:
@@ -531,7 +511,7 @@ class Follower:
 
     async def start(self, *a, **kw) -> None: ...
     async def fetch(self, version: int, stopping) -> Batch: return Batch()  # noqa: E704
-    async def push(self, weights, version: int) -> dict: return {"push_s": 0.0}  # noqa: E704
+    async def push(self, weights, version: int) -> PushResult: return PushResult()  # noqa: E704
     async def end_generation(self) -> None: ...
     async def start_generation(self, sleep) -> None: ...
     def note_phase(self, **seconds: float) -> None: ...
@@ -631,7 +611,7 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         stats = trainer.train_step(groups, version)  # B groups, always (fetch replaces every drop)
         if offload:  # every rank: gradients freed, AdamW state off the device before the handoff needs room
             trainer.sleep(keep_params=True)
-        coord.note_phase(wake_s=wake_s, train_s=stats["step_s"])
+        coord.note_phase(wake_s=wake_s, train_s=stats.step_s)
         await coord.collect_eval(stopping, trained_since_push=True)
         push = await coord.push(weights, version + 1)  # the other ranks serve its gathers from their next wait
         version += 1

@@ -57,6 +57,7 @@ from areal_like.api.config import (
     RewardShapingConfig,
     TrainConfig,
 )
+from areal_like.api.step_stats import TrainStats
 from areal_like.api.trajectory import Trajectory, TrajectoryGroup
 from areal_like.buffer.staleness import max_trained_staleness
 from areal_like.learner import algorithms as A
@@ -587,9 +588,9 @@ class Trainer:
         return grad_norm, skip, lr, rest
 
     # ---- the step ---------------------------------------------------------------------------------
-    def train_step(self, groups: list[TrajectoryGroup], version: int) -> dict[str, Any]:
+    def train_step(self, groups: list[TrajectoryGroup], version: int) -> TrainStats:
         """ppo_epochs × ppo_minibatches optimizer steps of the whole pool on `groups` (identical on
-        every rank). Returns the same stats dict on every rank.
+        every rank). Returns the same `TrainStats` on every rank (api/step_stats.py).
 
         `version` is the policy version of the weights this step starts from (π_prox); the updated
         weights become version + 1 once the caller has pushed them (DESIGN invariant 1). An
@@ -685,33 +686,33 @@ class Trainer:
         mm_n = st["mm_tokens"]
         applied = [n for n, s in zip(norms, skips) if not s]
         skip_reason = next((s for s in skips if s), "")
-        return {
-            "loss": st["loss"], "reward_mean": float(rewards_N.mean()), "reward_std": float(rewards_N.std()),
-            "score_mean": float(scores_N.mean()), "adv_abs_mean": st["adv_abs_mean"],
-            "grad_norm": float(np.mean(applied)) if applied else float(norms[-1]) if norms else float("nan"),
+        return TrainStats(
+            loss=st["loss"], reward_mean=float(rewards_N.mean()), reward_std=float(rewards_N.std()),
+            score_mean=float(scores_N.mean()), adv_abs_mean=st["adv_abs_mean"],
+            grad_norm=float(np.mean(applied)) if applied else float(norms[-1]) if norms else float("nan"),
             **{k: st[k] for k in ("clipfrac", "dual_clipfrac", "approx_kl", "ratio_mean", "behav_w_mean")},
-            "entropy": st["entropy"] if self.compute_entropy or self.alg.entropy_coef > 0 else float("nan"),
-            "ratio_max": mx["ratio_max"], "behav_w_max": mx["behav_w_max"], "behav_w_min": -mx["neg_behav_w_min"],
-            "behav_tokens_capped": int(round(st["behav_tokens_capped"])),
+            entropy=st["entropy"] if self.compute_entropy or self.alg.entropy_coef > 0 else float("nan"),
+            ratio_max=mx["ratio_max"], behav_w_max=mx["behav_w_max"], behav_w_min=-mx["neg_behav_w_min"],
+            behav_tokens_capped=int(round(st["behav_tokens_capped"])),
             # training–inference mismatch: the learner's logprobs at the step's start vs the servers'
-            "mismatch_logp_abs_mean": st["mm_abs_sum"] / mm_n if mm_n else float("nan"),
-            "mismatch_logp_abs_max": mx["mm_abs_max"] if mm_n else float("nan"),
-            "mismatch_kl": st["mm_k3_sum"] / mm_n if mm_n else float("nan"),
-            "mismatch_ratio_outside": st["mm_outside"] / mm_n if mm_n else float("nan"),
-            "mismatch_tokens": int(round(mm_n)),
-            "kl_ref": st["kl_ref"] if self.has_ref else None,
-            "value_loss": float(np.mean(value_losses)) if value_losses else None,
-            "critic_grad_norm": float(np.mean(critic_norms)) if critic_norms else None,
-            "lr": lr, "critic_lr": critic_lr if self.critic is not None else None,
-            "num_tokens": int(sum(t.num_tokens for t in samples)),
-            "loss_tokens": loss_tokens_of(samples, list(range(len(samples)))),
-            "num_groups": len(groups), "num_samples": len(samples), "optimizer_steps": len(applied),
-            "num_minibatches": len(mbs), "version_lag_max": max_trained_staleness(groups, version, default=-1),
-            "skipped": not applied, "skip_reason": skip_reason, "step": self.step,
-            "step_s": time.perf_counter() - t0, "layout": str(L.spec),
+            mismatch_logp_abs_mean=st["mm_abs_sum"] / mm_n if mm_n else float("nan"),
+            mismatch_logp_abs_max=mx["mm_abs_max"] if mm_n else float("nan"),
+            mismatch_kl=st["mm_k3_sum"] / mm_n if mm_n else float("nan"),
+            mismatch_ratio_outside=st["mm_outside"] / mm_n if mm_n else float("nan"),
+            mismatch_tokens=int(round(mm_n)),
+            kl_ref=st["kl_ref"] if self.has_ref else None,
+            value_loss=float(np.mean(value_losses)) if value_losses else None,
+            critic_grad_norm=float(np.mean(critic_norms)) if critic_norms else None,
+            lr=lr, critic_lr=critic_lr if self.critic is not None else None,
+            num_tokens=int(sum(t.num_tokens for t in samples)),
+            loss_tokens=loss_tokens_of(samples, list(range(len(samples)))),
+            num_groups=len(groups), num_samples=len(samples), optimizer_steps=len(applied),
+            num_minibatches=len(mbs), version_lag_max=max_trained_staleness(groups, version, default=-1),
+            skipped=not applied, skip_reason=skip_reason, step=self.step,
+            step_s=time.perf_counter() - t0, layout=str(L.spec),
             # this rank's peak of allocated CUDA memory during the step (None on CPU)
-            "device_mem_peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
-        }
+            device_mem_peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+        )
 
     # ---- full tensors on rank 0 -------------------------------------------------------------------
     def weight_source(self):

@@ -12,6 +12,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from areal_like.api.net import NODE_ADDRESS_ENV
+from areal_like.api.step_stats import TrainStats, published_fields
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -68,7 +69,6 @@ REDIS_RESTARTS = Counter("areal_like_redis_restarts", "Redis server restarts det
 # --- learner -----------------------------------------------------------------------------------
 POLICY_VERSION = Gauge("areal_like_policy_version", "Policy version v of the learner", registry=REGISTRY)
 LEARNER_STEP = Gauge("areal_like_learner_step", "Training steps completed", registry=REGISTRY)
-STEP_SECONDS = Histogram("areal_like_learner_step_seconds", "Seconds of one training step (excluding push)", registry=REGISTRY)
 PUSH_SECONDS = Histogram("areal_like_weight_push_seconds", "Seconds of one weight push (pause → continue)", registry=REGISTRY)
 WEIGHT_RESYNCS = Counter("areal_like_weight_resyncs", "Weight groups re-formed and weights pushed again because a "
                          "generation server restarted or a push failed", registry=REGISTRY)
@@ -81,27 +81,45 @@ FETCH_SECONDS = Histogram("areal_like_learner_fetch_seconds", "Seconds rank 0 wa
                           "(0 when the buffer already held them)",
                           buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
                           registry=REGISTRY)
-REWARD_MEAN = Gauge("areal_like_reward_mean", "Mean reward of the last training batch", registry=REGISTRY)
-LOSS = Gauge("areal_like_loss", "Loss of the last training step", registry=REGISTRY)
-TRAINED_TOKENS = Counter("areal_like_trained_tokens", "Loss tokens trained on", registry=REGISTRY)
-CLIPFRAC = Gauge("areal_like_learner_clipfrac", "Fraction of loss tokens where the PPO clip was active, last step",
-                 registry=REGISTRY)
-APPROX_KL = Gauge("areal_like_learner_approx_kl", "k3 estimate of KL(π_prox ‖ π_θ) over the last step", registry=REGISTRY)
-KL_REF = Gauge("areal_like_learner_kl_ref", "Mean KL(π_θ ‖ π_ref) to the reference model, last step", registry=REGISTRY)
-ENTROPY = Gauge("areal_like_learner_entropy", "Mean policy entropy over loss tokens, last step", registry=REGISTRY)
-GRAD_NORM = Gauge("areal_like_learner_grad_norm", "Actor gradient norm before clipping, last step", registry=REGISTRY)
-VALUE_LOSS = Gauge("areal_like_learner_value_loss", "Critic value loss, last step (GAE only)", registry=REGISTRY)
-BEHAV_W_MAX = Gauge("areal_like_learner_behav_weight_max", "Largest π_prox/π_behav behaviour weight, last step",
-                    registry=REGISTRY)
-MISMATCH = Gauge("areal_like_learner_mismatch", "Training–inference mismatch of the last step between the learner's "
-                 "logprobs (step-start weights) and the servers' on the same tokens: stat = logp_abs_mean, "
-                 "logp_abs_max, kl (KL(π_behav‖π_learner), k3) or ratio_outside (share of tokens with "
-                 "π_learner/π_behav outside [0.5, 5])", ["stat"], registry=REGISTRY)
-BEHAV_TOKENS_CORRECTED = Gauge("areal_like_learner_behav_tokens_corrected", "Loss tokens the behaviour correction "
-                               "acted on in the last step (capped, masked or clamped)", registry=REGISTRY)
 VAL_SCORE = Gauge("areal_like_val_score", "Latest validation result, by data_source (`all` = every prompt) and "
                   "metric (mean@k, pass@k; data_source `_` holds version, step, samples, seconds)",
                   ["data_source", "metric"], registry=REGISTRY)
+
+
+def _train_series() -> dict[str, tuple[object, str, tuple[str, str] | None]]:
+    """The learner's per-step series, one per `TrainStats` field whose annotation names one (`prom=`):
+    field name → (metric, kind, label). Fields sharing a metric name share its object (a labelled gauge)."""
+    kinds = {"gauge": Gauge, "histogram": Histogram, "counter": Counter}
+    made: dict[str, object] = {}
+    out = {}
+    for f in published_fields(TrainStats):
+        p = f.prom
+        if p is None:
+            continue
+        if p.name not in made:
+            kw = {"labelnames": [p.label[0]]} if p.label else {}
+            made[p.name] = kinds[p.kind](p.name, p.help, registry=REGISTRY, **kw)
+        out[f.name] = (made[p.name], p.kind, p.label)
+    return out
+
+
+TRAIN_SERIES = _train_series()
+
+
+def observe_train(stats) -> None:
+    """A step's `TrainStats` into its series: gauges set (None: left as they were), histograms observed,
+    counters increased by the value."""
+    for name, (metric, kind, label) in TRAIN_SERIES.items():
+        value = getattr(stats, name)
+        if value is None:
+            continue
+        m = metric.labels(label[1]) if label else metric
+        if kind == "gauge":
+            m.set(value)
+        elif kind == "histogram":
+            m.observe(value)
+        else:
+            m.inc(value)
 
 
 def export_at_zero(counter, label_values) -> None:

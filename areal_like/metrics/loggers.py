@@ -27,56 +27,26 @@ import os
 import re
 from typing import Any, Iterable
 
-# metrics.jsonl key → tracker key. Every StepMetrics field is listed (a unit test checks it); a key
-# a future row carries that is not listed goes to `other/<key>` rather than being lost.
-KEY_MAP: dict[str, str] = {
-    # learner: loss and optimizer statistics
-    "version": "train/version",
-    "loss": "train/loss",
-    "grad_norm": "train/grad_norm",
-    "clipfrac": "train/clipfrac",
-    "approx_kl": "train/approx_kl",
-    "behav_w_min": "train/behav_w_min",
-    "behav_w_max": "train/behav_w_max",
-    "behav_tokens_capped": "train/behav_tokens_capped",
-    "mismatch_logp_abs_mean": "train/mismatch_logp_abs_mean",
-    "mismatch_logp_abs_max": "train/mismatch_logp_abs_max",
-    "mismatch_kl": "train/mismatch_kl",
-    "mismatch_ratio_outside": "train/mismatch_ratio_outside",
-    "mismatch_tokens": "train/mismatch_tokens",
-    "kl_ref": "train/kl_ref",
-    "entropy": "train/entropy",
-    "value_loss": "train/value_loss",
-    "adv_abs_mean": "train/adv_abs_mean",
-    "optimizer_steps": "train/optimizer_steps",
-    "loss_tokens": "train/loss_tokens",
-    "skipped": "train/skipped",
-    "incarnation": "train/incarnation",
-    # what the step trained: rewards, samples, staleness, drops
-    "reward_mean": "rollout/reward_mean",
-    "samples": "rollout/samples",
-    "filtered": "rollout/filtered",
-    "dropped_stale": "rollout/dropped_stale",
-    "staleness_max": "rollout/staleness_max",
-    "staleness_mean": "rollout/staleness_mean",
-    # seconds
-    "step_s": "perf/step_s",
-    "push_s": "perf/push_s",
-    "fetch_s": "perf/fetch_s",
-    "pause_window_s": "perf/pause_window_s",
-    "push_bytes": "perf/push_bytes",
-    "device_mem_peak_gib": "perf/device_mem_peak_gib",
+from areal_like.api.run_files import row_fields
+
+# metrics.jsonl key → tracker key: each row field's `published(tracker=…)` (api/step_stats.py,
+# api/run_files.py), and the buffer state the learner adds for the trackers. A key a future row
+# carries that is not listed goes to `other/<key>` rather than being lost.
+KEY_MAP: dict[str, str] = {f.row: f.tracker for f in row_fields()
+                           if f.row is not None and f.tracker is not None and not f.tracker.endswith("/")} | {
     # buffer state when the step's row was made (rows that carry it)
     "buffer_depth": "buffer/depth",
     "buffer_pending": "buffer/pending",
     "buffer_oldest_age_s": "buffer/oldest_age_s",
 }
-# Keys whose row value is not a statistic of the step: `step` is the x axis of every logger.
-NOT_LOGGED = frozenset({"step", "time"})  # step is the x axis; time (unix seconds) is the trackers' own
-# row key prefix → tracker namespace (flattened dict fields of StepMetrics; `val/…` keeps its name)
-PREFIX_MAP: tuple[tuple[str, str], ...] = (
-    ("val/", "val/"),
-    ("reward_failures/", "rollout/reward_failures/"),
+# Row keys that are not a statistic to plot: `step` is the x axis of every logger, `time` (unix seconds)
+# the trackers' own, and flags/strings (`tracker=None` in their annotation).
+NOT_LOGGED = frozenset(f.row for f in row_fields() if f.row is not None and f.tracker is None)
+# row key prefix → tracker namespace: the flattened dict fields (`val/…` keeps its name,
+# `reward_failures/<kind>` goes under rollout/), then keys already namespaced
+PREFIX_MAP: tuple[tuple[str, str], ...] = tuple(
+    ("val/" if f.name == "val" else f"{f.name}/", f.tracker) for f in row_fields()
+    if f.tracker is not None and f.tracker.endswith("/")) + (
     ("buffer/", "buffer/"),
     ("perf/", "perf/"),
     ("train/", "train/"),

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from areal_like import metrics
+from areal_like.api.step_stats import PushResult
 from areal_like.weights.adapter import ADAPTER_NAME, adapter_file_tensors, is_adapter
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import parse_dtype
@@ -76,7 +77,7 @@ class AdapterTensorPusher(ServerAdmin):
         return {"lora_name": ADAPTER_NAME, "config_dict": config, "serialized_named_tensors":
                 [payload] * self.tp_per_server[k], "load_format": None, "expected_checksums": sums}
 
-    async def update(self, weights: Any, version: int, *, paused: bool = False) -> dict[str, Any]:
+    async def update(self, weights: Any, version: int, *, paused: bool = False) -> PushResult:
         """Serialize the adapter → pause(abort) → every server swaps its run adapter for it
         (`ServerAdmin.swap_adapter`) → flush → continue; every server then reports weight_version
         str(version). `paused=True`: the caller paused the servers and continues them. Full weights
@@ -105,5 +106,5 @@ class AdapterTensorPusher(ServerAdmin):
         self._last = (payload, config, sums)
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
-        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "write_s": t_ready - t0,
-                "bytes": nbytes, "buckets": 1, "adapter": True}
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, write_s=t_ready - t0,
+                          bytes=nbytes, buckets=1, adapter=True)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from areal_like.api.step_stats import PushResult
+
 MEMORY_TAGS = ("kv_cache", "weights")  # SGLang's GPU_MEMORY_TYPE_KV_CACHE / _WEIGHTS (sglang.srt.constants)
 
 
@@ -44,7 +46,7 @@ class GenerationControl(Protocol):
 
     async def resume(self) -> None: ...
 
-    async def update(self, weights: Any, version: int, *, paused: bool = False) -> dict[str, Any]: ...
+    async def update(self, weights: Any, version: int, *, paused: bool = False) -> PushResult: ...
 
     async def release_memory(self, tags: list[str] | None = None) -> None: ...
 

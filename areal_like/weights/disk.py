@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from areal_like import metrics
+from areal_like.api.step_stats import PushResult
 from areal_like.weights.adapter import ADAPTER_NAME, is_adapter, write_adapter_dir
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import parse_dtype
@@ -247,7 +248,7 @@ class DiskWeightPusher(ServerAdmin):
         return os.path.join(self.out_dir, f"v{version:08d}")
 
     async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
-                     paused: bool = False) -> dict[str, Any]:
+                     paused: bool = False) -> PushResult:
         """Write → pause → every server loads it → continue. Sets every server's weight_version to str(version).
         `paused=True`: the caller paused the servers and continues them (no pause, flush or continue here).
         `weights`: a `WeightSource` (streamed shard by shard) or a list of (name, tensor); a LoRA
@@ -288,8 +289,8 @@ class DiskWeightPusher(ServerAdmin):
         t_end = time.perf_counter()
         await asyncio.to_thread(self._prune, path)
         metrics.PUSH_SECONDS.observe(t_end - t0)
-        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "write_s": t_written - t0,
-                "bytes": nbytes, "buckets": 1, "path": path, "adapter": adapter}
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, write_s=t_written - t0,
+                          bytes=nbytes, buckets=1, path=path, adapter=adapter)
 
     def _prune(self, current: str) -> None:
         """Keep `current` and the `keep` − 1 most recently written other version dirs; leftover tmp dirs

@@ -1,6 +1,6 @@
 """`weights.mode` → the learner's `weights.control.GenerationControl`: `WeightPusher`, `DiskWeightPusher` or
-`SharedMemoryWeightPusher` (`await init()`, `await update(named_tensors, version) -> {"push_s",
-"pause_window_s", …}`, …, `await close()`)."""
+`SharedMemoryWeightPusher` (`await init()`, `await update(named_tensors, version) -> PushResult`
+(api/step_stats.py), …, `await close()`)."""
 
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from areal_like import metrics
+from areal_like.api.step_stats import PushResult
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import parse_dtype, unflatten_bucket
 from areal_like.weights.source import (WeightSource, as_source, fill_bucket, gather_in, meta_nbytes, plan_buckets,
@@ -170,7 +171,7 @@ class CudaIpcWeightPusher(ServerAdmin):
         return True
 
     async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
-                     paused: bool = False) -> dict[str, float]:
+                     paused: bool = False) -> PushResult:
         """Hand `weights` over as `version`, bucket by bucket. `paused=False`: pause (abort) → buckets →
         /flush_cache → continue; `paused=True`: the caller holds the servers paused (a co-located phase,
         whose release flushed the cache) and continues them. On failure the servers stay paused."""
@@ -214,8 +215,8 @@ class CudaIpcWeightPusher(ServerAdmin):
             await self.resume()
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
-        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total, "buckets": len(buckets),
-                "per_rank": per_rank}
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, bytes=total, buckets=len(buckets),
+                          per_rank=per_rank)
 
     async def close(self) -> None:
         if self._packer is not None:

@@ -31,6 +31,7 @@ import time
 import torch
 
 from areal_like import metrics
+from areal_like.api.step_stats import PushResult
 from areal_like.weights.adapter import ADAPTER_NAME, is_adapter
 from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
 from areal_like.api.net import free_port
@@ -223,7 +224,7 @@ class WeightPusher(ServerAdmin):
         return f"re-formed the weight group as {self.group_name!r} on {self.master_addr}:{self.master_port}"
 
     async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
-                     paused: bool = False) -> dict[str, float]:
+                     paused: bool = False) -> PushResult:
         """Pause → bucketed broadcast → continue. Sets every server's weight_version to str(version).
         `paused=True`: the caller paused the servers and continues them (no pause, flush or continue here).
 
@@ -328,8 +329,8 @@ class WeightPusher(ServerAdmin):
             self._flat = FlatBuffers()
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
-        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": total_bytes,
-                "buckets": len(buckets), "adapter": adapter}
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, bytes=total_bytes,
+                          buckets=len(buckets), adapter=adapter)
 
     async def close(self) -> None:
         """Destroy the group on the servers and here; close the HTTP session."""

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from areal_like import metrics
+from areal_like.api.step_stats import PushResult
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import dtype_name, parse_dtype
 from areal_like.weights.source import (WeightSource, as_source, fill_bucket, gather_in, meta_nbytes, plan_buckets,
@@ -169,7 +170,7 @@ class SharedMemoryWeightPusher(ServerAdmin):
         return seg
 
     async def update(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int, *,
-                     paused: bool = False) -> dict[str, float]:
+                     paused: bool = False) -> PushResult:
         """Hand `weights` over as `version`, bucket by bucket through the two segments.
 
         `paused=False`: pause (abort) → buckets → /flush_cache → continue, as the broadcast pusher.
@@ -239,8 +240,8 @@ class SharedMemoryWeightPusher(ServerAdmin):
             await self.resume()
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
-        return {"push_s": t_end - t0, "pause_window_s": t_end - t_paused, "bytes": sum(sizes),
-                "buckets": len(buckets), "fill_s": fill_s, "load_s": load_s}
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, bytes=sum(sizes),
+                          buckets=len(buckets), fill_s=fill_s, load_s=load_s)
 
     async def close(self) -> None:
         """Remove the segments; close the HTTP session."""

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -250,7 +251,7 @@ def test_push_reaches_sglangs_receiver_bit_exact_with_one_flush(harness, flatten
         try:
             await p.init()
             s = await p.update(named, version=1)
-            assert s["buckets"] > 1
+            assert s.buckets > 1
             await p.update(mixed_weights(4), version=2)
         finally:
             await p.close()
@@ -407,7 +408,7 @@ def test_the_shm_handoff_reaches_sglang_as_its_update_from_tensor_request(harnes
     res = asyncio.run(go())
     ev = [e for e in h.record()["events"] if e["kind"] in ("pause", "update_tensor", "flush", "continue")]
     kinds = [e["kind"] for e in ev]
-    assert kinds == ["pause"] + ["update_tensor"] * res["buckets"] + ["flush", "continue"] and res["buckets"] == 2
+    assert kinds == ["pause"] + ["update_tensor"] * res.buckets + ["flush", "continue"] and res.buckets == 2
     ups = [e for e in ev if e["kind"] == "update_tensor"]
     assert all(e["type"] == "UpdateWeightsFromTensorReqInput" and e["load_format"] == "areal_like_shm"
                and e["flush_cache"] is False and e["abort_all_requests"] is False for e in ups)
@@ -444,9 +445,9 @@ def test_the_cuda_ipc_handoff_is_deserialised_by_sglangs_own_serializer(harness)
     finally:
         torch.multiprocessing.set_sharing_strategy(before)
     ev = [e for e in h.record()["events"] if e["kind"] in ("pause", "update_tensor", "flush", "continue")]
-    assert [e["kind"] for e in ev] == ["pause"] + ["update_tensor"] * res["buckets"] + ["flush", "continue"]
+    assert [e["kind"] for e in ev] == ["pause"] + ["update_tensor"] * res.buckets + ["flush", "continue"]
     ups = [e for e in ev if e["kind"] == "update_tensor"]
-    assert res["buckets"] >= 2 and [e["weight_version"] for e in ups][-1] == "21"
+    assert res.buckets >= 2 and [e["weight_version"] for e in ups][-1] == "21"
     assert all(e["weight_version"] is None for e in ups[:-1])
     assert all(e["type"] == "UpdateWeightsFromTensorReqInput" and e["load_format"] is None and len(e["payloads"]) == 2
                and e["payloads"][0] == e["payloads"][1] for e in ups)  # the same tensors for each TP rank
@@ -494,7 +495,7 @@ def _handoff_rank(rank: int, world: int, port: int, layout: str, model_dir: str,
                                .removeprefix("torch."), sha(t.to(torch.bfloat16) if t.is_floating_point() else t)]
                            for n, t in full}
             with open(out, "w") as f:
-                json.dump(res, f)
+                json.dump(msgspec.structs.asdict(res), f)
         tr.layout.leader_ready("finish the weight handoff")  # the other rank serves the handoff's commands here
         leave_pool()
     finally:
@@ -640,7 +641,7 @@ def test_lora_pushes_reach_sglangs_own_lora_path_and_requests_resolve_to_the_new
             await p.close()
 
     res1, r_early, r1, r2, r3 = asyncio.run(go())
-    assert res1["adapter"] and res1["bytes"] == sum(t.numel() * 2 for _, t in v1.open(range(len(v1.meta))))
+    assert res1.adapter and res1.bytes == sum(t.numel() * 2 for _, t in v1.open(range(len(v1.meta))))
     assert set(r_early.output_versions) == set(r1.output_versions) == {1} and set(r2.output_versions) == {2}
     assert set(r3.output_versions) == {2}
     ev = lora_events(h.record())

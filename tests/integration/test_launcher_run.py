@@ -78,6 +78,9 @@ def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, worker
     assert all(0 <= r["staleness_mean"] <= r["staleness_max"] <= eta for r in rows)
     for key in ("step", "version", "reward_mean", "staleness_max", "samples", "step_s", "push_s"):
         assert key in rows[0]
+    # what the learner measured reaches the row, the once-dropped statistics too (docs/metrics.md)
+    assert all(r["lr"] == pytest.approx(1e-3) and r["num_groups"] == 2 and r["push_buckets"] >= 1 for r in rows)
+    assert all(r["reward_std"] >= 0 and r["critic_lr"] is None and r["version_lag_max"] >= 0 for r in rows)
     if learner == "d2p1t1":  # a two-rank pool: both ranks ran, and both are gone afterwards
         assert {"learner", "learner1"} <= set(json.loads((run_dir / "pids.json").read_text())["roles"])
         assert (run_dir / "logs" / "learner1.log").exists()

@@ -99,7 +99,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                 save_file({n: t.contiguous() for n, t in grads}, os.path.join(out_dir, f"{name}.grads.safetensors"))
                 save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.weights.safetensors"))
                 with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-                    json.dump({k: st[k] for k in ("loss", "grad_norm", "loss_tokens", "skipped", "clipfrac",
+                    json.dump({k: getattr(st, k) for k in ("loss", "grad_norm", "loss_tokens", "skipped", "clipfrac",
                                                   "entropy", "behav_w_max")}, f)
             del ln
             ext = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched, collective_timeout_s=120,
@@ -113,7 +113,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                 save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.ext.safetensors"))
                 save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{name}.critic.safetensors"))
                 with open(os.path.join(out_dir, f"{name}.ext.json"), "w") as f:
-                    json.dump({k: st[k] for k in EXT_KEYS}, f)
+                    json.dump({k: getattr(st, k) for k in EXT_KEYS}, f)
             del ext
             if name not in LORA_LAYOUTS:
                 continue
@@ -128,7 +128,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                 save_file({n: t.contiguous() for n, t in adapter}, os.path.join(out_dir, f"{name}.lora.safetensors"))
                 save_file({n: t.contiguous() for n, t in base}, os.path.join(out_dir, f"{name}.lora_base.safetensors"))
                 with open(os.path.join(out_dir, f"{name}.lora.json"), "w") as f:
-                    json.dump({k: st[k] for k in LORA_KEYS}, f)
+                    json.dump({k: getattr(st, k) for k in LORA_KEYS}, f)
             del lo
         leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
     finally:  # on a failure (leave_pool does not return)
@@ -255,11 +255,11 @@ def test_one_step_matches_single_process(layout, reference, parallel_runs):
 @pytest.mark.parametrize("layout", LAYOUTS[2] + LAYOUTS[4])
 def test_critic_reference_and_minibatches_match_single_process(layout, ext_reference, parallel_runs):
     ref_st, ref_weights, ref_critic = ext_reference
-    assert ref_st["optimizer_steps"] == 2 and ref_st["kl_ref"] > 0 and ref_st["value_loss"] > 0
+    assert ref_st.optimizer_steps == 2 and ref_st.kl_ref > 0 and ref_st.value_loss > 0
     with open(os.path.join(parallel_runs, f"{layout}.ext.json")) as f:
         st = json.load(f)
     for k in EXT_KEYS:
-        assert st[k] == pytest.approx(ref_st[k], abs=1e-5, rel=1e-5), k
+        assert st[k] == pytest.approx(getattr(ref_st, k), abs=1e-5, rel=1e-5), k
     for fname, ref in (("ext", ref_weights), ("critic", ref_critic)):
         got = load_file(os.path.join(parallel_runs, f"{layout}.{fname}.safetensors"))
         assert set(got) == set(ref)
@@ -279,11 +279,11 @@ def test_lora_matches_single_process(layout, lora_reference, parallel_runs, mode
     """The adapter a push reads (its tensors alone), the loss, the KL to the base and the gradient
     norm equal the one-process LoRA learner's; the base weights stay the checkpoint's."""
     ref_st, ref_state = lora_reference
-    assert ref_st["optimizer_steps"] == 2 and ref_st["kl_ref"] > 0
+    assert ref_st.optimizer_steps == 2 and ref_st.kl_ref > 0
     with open(os.path.join(parallel_runs, f"{layout}.lora.json")) as f:
         st = json.load(f)
     for k in LORA_KEYS:
-        assert st[k] == pytest.approx(ref_st[k], abs=1e-5, rel=1e-5), k
+        assert st[k] == pytest.approx(getattr(ref_st, k), abs=1e-5, rel=1e-5), k
     adapter = load_file(os.path.join(parallel_runs, f"{layout}.lora.safetensors"))
     ref_adapter = {n: t for n, t in ref_state.items() if "lora_" in n}
     assert set(adapter) == set(ref_adapter) and len(adapter) == 4 * 7 * 2  # 4 layers × 7 linears × (A, B)

@@ -42,7 +42,7 @@ def test_only_the_adapter_trains_and_its_checkpoint_resumes(tiny_model_dir, tmp_
     adapter_params = sum(p.numel() for p in t.actor.opt_params)
     assert adapter_params == sum(x.numel() for n, x in t.full_state() if ".lora_" in n) > 0
     for step in (1, 2):
-        assert not t.train_step(synthetic_groups(step, vocab=64), version=step)["skipped"]
+        assert not t.train_step(synthetic_groups(step, vocab=64), version=step).skipped
     state = dict(t.full_state())
     assert all(torch.equal(state[n], x) for n, x in base.items())  # the base never moves
     assert any(x.abs().max() > 0 for n, x in state.items() if ".lora_B." in n)  # B left 0
@@ -63,7 +63,7 @@ def test_only_the_adapter_trains_and_its_checkpoint_resumes(tiny_model_dir, tmp_
     load_checkpoint(resumed, ck)
     got = resumed.train_step(nxt, version=3)
     for k in ("loss", "grad_norm", "approx_kl"):
-        assert got[k] == pytest.approx(expected[k], rel=1e-6, abs=1e-9), k
+        assert getattr(got, k) == pytest.approx(getattr(expected, k), rel=1e-6, abs=1e-9), k
     # a full fine-tuning run does not take a LoRA checkpoint (and the message says what to set)
     with pytest.raises(ValueError, match="model.lora_rank=8"):
         load_checkpoint(Trainer(tiny_model_dir, TrainConfig(**CFG), None, temperature=TEMP), ck)
@@ -98,9 +98,9 @@ def test_kl_reference_is_the_base_without_a_copy(tiny_model_dir):
     held = sum(p.numel() for m in t._models() for p in m.stage_module.parameters())
     assert held < sum(p.numel() for m in full._models() for p in m.stage_module.parameters()) * 0.6
     first = t.train_step(synthetic_groups(1, vocab=64), version=1)
-    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # a fresh adapter (B = 0) is the base
+    assert first.kl_ref == pytest.approx(0.0, abs=1e-7)  # a fresh adapter (B = 0) is the base
     later = t.train_step(synthetic_groups(2, vocab=64), version=2)
-    assert later["kl_ref"] > 1e-6  # the adapter moved; the reference did not
+    assert later.kl_ref > 1e-6  # the adapter moved; the reference did not
 
 
 def test_lora_path_starts_from_a_peft_adapter(tiny_model_dir, tmp_path):
@@ -136,8 +136,8 @@ def test_lora_dropout_acts_in_the_differentiated_forward_only(tiny_model_dir):
     batch = synthetic_groups(1, vocab=64)
     a, b = plain.train_step(batch, version=1), dropped.train_step(batch, version=1)
     # step 1: B = 0, so the dropped input does not change the loss, only the gradient of B
-    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
-    assert b["grad_norm"] != pytest.approx(a["grad_norm"], rel=1e-3)
+    assert b.loss == pytest.approx(a.loss, rel=1e-6)
+    assert b.grad_norm != pytest.approx(a.grad_norm, rel=1e-3)
     # forward-only passes are deterministic (no dropout); inside the differentiated forward they are not
     assert torch.equal(learner_logits(dropped), learner_logits(dropped))
     with dropout_active(dropped.actor.stage_module, 0.5):

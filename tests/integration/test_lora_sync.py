@@ -71,7 +71,7 @@ async def test_server_generates_with_each_pushed_adapter(transport, lora_server,
                 trainer.train_step(synthetic_groups(version, vocab=64, n_groups=4, n=4), version=version)
             res = await pusher.update(trainer.weight_source(), version)
             # the adapter alone went over the wire
-            assert res["adapter"] and res["bytes"] == adapter_bytes < full_bytes / 4, res
+            assert res.adapter and res.bytes == adapter_bytes < full_bytes / 4, res
             for prompt in PROMPTS:
                 toks, lps, wv = await served(lora_server.url, prompt)
                 assert wv == str(version)

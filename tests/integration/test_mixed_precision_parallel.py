@@ -90,14 +90,14 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
             restored = all(torch.equal(local_tensor(a), local_tensor(b))
                            for x, y in ((resumed.actor, ln.actor), (resumed.critic, ln.critic))
                            for a, b in zip(x.opt_params, y.opt_params))
-            nxt = [r.train_step(synthetic_groups(20 + STEPS, version=STEPS), version=STEPS)["loss"]
+            nxt = [r.train_step(synthetic_groups(20 + STEPS, version=STEPS), version=STEPS).loss
                    for r in (ln, resumed)]
             other_loss = nxt[0]
             if sharding == "full":  # the FSDP checkpoint into a replicated pool: DCP reshards the AdamW state
                 other = Trainer(model_dir, TrainConfig(**CFG, dp_sharding="none"), layout, temperature=TEMP,
                                 dtype="bfloat16", algorithm=ALG)
                 load_checkpoint(other, ck)
-                other_loss = other.train_step(synthetic_groups(20 + STEPS, version=STEPS), version=STEPS)["loss"]
+                other_loss = other.train_step(synthetic_groups(20 + STEPS, version=STEPS), version=STEPS).loss
                 del other
             flags = torch.tensor([float(all(checks)), float(restored), float(nxt[0] == nxt[1]),
                                   float(abs(other_loss - nxt[0]) <= 1e-4)])
@@ -106,7 +106,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                 save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.actor.safetensors"))
                 save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{name}.critic.safetensors"))
                 with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-                    json.dump({"stats": [{k: s[k] for k in ("loss", "grad_norm", "value_loss", "kl_ref")} for s in stats],
+                    json.dump({"stats": [{k: getattr(s, k) for k in ("loss", "grad_norm", "value_loss", "kl_ref")} for s in stats],
                                "dtypes_ok": bool(flags[0]), "restored": bool(flags[1]), "resume_loss_equal": bool(flags[2]),
                                "other_sharding_resumes": bool(flags[3])}, f)
             del ln, resumed
@@ -124,7 +124,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
         if rank == 0:
             save_file({n: t.contiguous() for n, t in adapter}, os.path.join(out_dir, "lora.safetensors"))
             with open(os.path.join(out_dir, "lora.json"), "w") as f:
-                json.dump({"stats": [{k: s[k] for k in ("loss", "grad_norm", "kl_ref")} for s in stats],
+                json.dump({"stats": [{k: getattr(s, k) for k in ("loss", "grad_norm", "kl_ref")} for s in stats],
                            "dtypes_ok": bool(flag[0])}, f)
         leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
     finally:  # on a failure (leave_pool does not return)
@@ -166,9 +166,9 @@ def test_bf16_with_fp32_master_under_sharded_layouts(layout, fp32_reference, bf1
     assert res["restored"] and res["resume_loss_equal"], "checkpoint round trip of the sharded fp32 master"
     assert res["other_sharding_resumes"], "an FSDP checkpoint into a replicated pool: same next loss (1e-4)"
     for got, want in zip(res["stats"], ref_stats, strict=True):
-        assert got["loss"] == pytest.approx(want["loss"], abs=LOSS_ABS)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=NORM_REL)
-        assert got["value_loss"] == pytest.approx(want["value_loss"], rel=NORM_REL, abs=LOSS_ABS)
+        assert got["loss"] == pytest.approx(want.loss, abs=LOSS_ABS)
+        assert got["grad_norm"] == pytest.approx(want.grad_norm, rel=NORM_REL)
+        assert got["value_loss"] == pytest.approx(want.value_loss, rel=NORM_REL, abs=LOSS_ABS)
     weights = load_file(os.path.join(bf16_runs, f"{layout}.actor.safetensors"))
     assert set(weights) == set(ref_weights)
     assert all(t.dtype == torch.float32 for t in weights.values())  # the master is what is pushed
@@ -201,9 +201,9 @@ def test_lora_bf16_under_fsdp_with_tp(lora_fp32_reference, bf16_runs):
         res = json.load(f)
     assert res["dtypes_ok"], "adapter: fp32 shards with fp32 gradients; base: bf16, on every rank"
     for got, want in zip(res["stats"], ref_stats, strict=True):
-        assert got["loss"] == pytest.approx(want["loss"], abs=LOSS_ABS)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=NORM_REL)
-        assert got["kl_ref"] == pytest.approx(want["kl_ref"], abs=LOSS_ABS)
+        assert got["loss"] == pytest.approx(want.loss, abs=LOSS_ABS)
+        assert got["grad_norm"] == pytest.approx(want.grad_norm, rel=NORM_REL)
+        assert got["kl_ref"] == pytest.approx(want.kl_ref, abs=LOSS_ABS)
     adapter = load_file(os.path.join(bf16_runs, "lora.safetensors"))
     assert set(adapter) == set(ref_adapter) and all(t.dtype == torch.float32 for t in adapter.values())
     moved = sum((ref_adapter[n] - init[n]).norm() ** 2 for n in init) ** 0.5

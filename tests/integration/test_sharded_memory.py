@@ -34,6 +34,7 @@ import json
 import os
 
 import aiohttp
+import msgspec
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -94,7 +95,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, small_dir: str,
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")  # reset VmHWM to the current resident size
                 rss0 = _status_kib("VmRSS")
-                res = await pusher.update(weights, version=1)
+                res = msgspec.structs.asdict(await pusher.update(weights, version=1))
                 res["extra_bytes"] = (_status_kib("VmHWM") - rss0) * 1024
                 await pusher.close()
                 return res

@@ -142,7 +142,7 @@ async def test_restarted_server_is_resynced_distributed(engine_servers, tiny_mod
         assert not push.done()  # waiting for the dead server
         servers[1] = restarted(servers[1], tiny_model_dir, wait=False)
         res = await asyncio.wait_for(push, 90)
-        assert res["push_s"] > 0 and resyncs() == n0 + 2
+        assert res.push_s > 0 and resyncs() == n0 + 2
         assert coord.pusher.group_name == "weight_update_group_0_r2"
         await assert_serves(servers, m2, 2)
 

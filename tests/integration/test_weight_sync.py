@@ -80,8 +80,8 @@ async def test_push_lands_on_every_server(servers, base_model):
             new = perturbed(base_model, seed=version)
             named = list(new.state_dict().items())
             t = await pusher.update(named, version=version)
-            assert t["buckets"] > 1 and t["bytes"] == sum(v.numel() * v.element_size() for _, v in named)
-            assert 0 < t["pause_window_s"] <= t["push_s"]
+            assert t.buckets > 1 and t.bytes == sum(v.numel() * v.element_size() for _, v in named)
+            assert 0 < t.pause_window_s <= t.push_s
             for srv in servers:
                 st, info = await call("GET", srv.url, "/model_info")
                 assert info["weight_version"] == str(version)

@@ -64,7 +64,7 @@ async def test_disk_push_lands_and_keeps_two_dirs(server, base_model, tiny_model
             new = perturbed(base_model, seed=100 + version)
             named = list(new.state_dict().items())  # tied embeddings share storage: the writer copes
             t = await pusher.update(named, version=version)
-            assert 0 < t["pause_window_s"] <= t["push_s"]
+            assert 0 < t.pause_window_s <= t.push_s
             _, info = await call("GET", server.url, "/model_info")
             assert info["weight_version"] == str(version)
             out, lps, v = await sample(server.url, prompt)

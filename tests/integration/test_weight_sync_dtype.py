@@ -68,8 +68,8 @@ async def test_fp32_learner_pushes_bf16_buckets(server, base_model):
             assert all(t.dtype == torch.float32 for _, t in named)
             res = await pusher.update(named, version=version)
             # the wire carries bf16: 2 bytes per element, half the learner's fp32 bytes
-            assert res["bytes"] == sum(t.numel() * 2 for _, t in named)
-            assert res["bytes"] * 2 == sum(t.numel() * t.element_size() for _, t in named)
+            assert res.bytes == sum(t.numel() * 2 for _, t in named)
+            assert res.bytes * 2 == sum(t.numel() * t.element_size() for _, t in named)
             await assert_server_holds_bf16_of(server.url, named, version)
     finally:
         await pusher.close()
@@ -82,9 +82,9 @@ async def test_fp32_learner_pushes_bf16_checkpoints_to_disk(server, base_model, 
     try:
         named = list(perturbed(base_model, seed=7).state_dict().items())
         res = await pusher.update(named, version=3)
-        written = load_file(os.path.join(res["path"], "model.safetensors"))
+        written = load_file(os.path.join(res.path, "model.safetensors"))
         assert {t.dtype for t in written.values()} == {torch.bfloat16}
-        assert res["bytes"] == sum(t.numel() * 2 for t in written.values())
+        assert res.bytes == sum(t.numel() * 2 for t in written.values())
         await assert_server_holds_bf16_of(server.url, named, 3)
     finally:
         await pusher.close()

@@ -48,7 +48,7 @@ async def test_shm_handoff_lands_on_every_server(servers, base_model, tmp_path):
             new = perturbed(base_model, seed=40 + version)
             named = list(new.state_dict().items())
             t = await pusher.update(named, version=version)  # pause → buckets → flush → continue
-            assert t["buckets"] > 1 and t["bytes"] == sum(v.numel() * v.element_size() for _, v in named)
+            assert t.buckets > 1 and t.bytes == sum(v.numel() * v.element_size() for _, v in named)
             # two segments, alternated per bucket, live for the learner's lifetime
             assert len(glob.glob(os.path.join(shm_dir(), f"{SHM_PREFIX}{owner}-*"))) == 2
             for srv in servers:
@@ -104,7 +104,7 @@ async def test_colocated_phase_carries_a_generating_request_across_the_handoff(s
             lps = torch.tensor(res.output_logprobs)
             assert (lps[:k] - local_logprobs(old, prompt, res.output_ids)[:k]).abs().mean() <= 1e-4
             assert (lps[k:] - local_logprobs(new, prompt, res.output_ids)[k:]).abs().mean() <= 1e-4
-            assert t["pause_window_s"] <= t["push_s"]
+            assert t.pause_window_s <= t.push_s
     finally:
         await pusher.close()
 

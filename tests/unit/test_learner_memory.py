@@ -104,7 +104,7 @@ def test_train_step_with_chunks_equals_unchunked(tmp_path, chunk):
     for step in range(2):
         sa, sb = a.train_step(_groups(step), version=step), b.train_step(_groups(step), version=step)
         for k in ("loss", "grad_norm", "entropy", "kl_ref", "approx_kl", "clipfrac"):
-            assert sb[k] == pytest.approx(sa[k], rel=1e-5, abs=1e-6), (k, sa[k], sb[k])
+            assert getattr(sb, k) == pytest.approx(getattr(sa, k), rel=1e-5, abs=1e-6), (k, getattr(sa, k), getattr(sb, k))
     # Weights after 4 AdamW steps of lr 1e-3: Adam scales a near-zero gradient's last-bit difference
     # up to a fraction of a step (seen: 4.5e-6 on 2 of 16k embedding entries), so 1e-5 = 1 % of a step.
     for (n, p), (_, q) in zip(a.actor.stage_module.named_parameters(), b.actor.stage_module.named_parameters()):
@@ -189,7 +189,7 @@ def test_gradient_checkpointing_same_gradients_recomputes_and_keeps_less(tmp_pat
         runs[ckpt] = (st, grads, calls[0], ln)
     (st0, g0, c0, _), (st1, g1, c1, ln1) = runs[False], runs[True]
     assert c1 == 2 * c0 > 0  # each decoder layer ran again in backward
-    assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-6, abs=1e-7)
+    assert st1.loss == pytest.approx(st0.loss, rel=1e-6, abs=1e-7)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
     saved_on, _ = _actor_loss_saved(ln1, groups)
@@ -208,7 +208,7 @@ def test_critic_checkpointing_same_values_loss(tmp_path):
                      critic=CriticConfig())
         assert ln.critic.stage_module.checkpoint_layers is ckpt
         sts = [ln.train_step(_groups(s), version=s) for s in range(2)]
-        out[ckpt] = [x for s in sts for x in (s["loss"], s["value_loss"], s["critic_grad_norm"])]
+        out[ckpt] = [x for s in sts for x in (s.loss, s.value_loss, s.critic_grad_norm)]
     assert out[True] == pytest.approx(out[False], rel=1e-5, abs=1e-7)
 
 
@@ -241,11 +241,11 @@ def test_entropy_statistic_can_be_switched_off(tmp_path):
     off = Trainer(d, TrainConfig(lr=1e-3, micro_batch_tokens=64, seed=5, compute_entropy=False), None,
                   temperature=0.9)
     s_on, s_off = on.train_step(_groups(), version=0), off.train_step(_groups(), version=0)
-    assert s_on["entropy"] > 0 and s_off["entropy"] != s_off["entropy"]  # NaN: not measured
-    assert s_off["loss"] == s_on["loss"] and s_off["grad_norm"] == s_on["grad_norm"]
+    assert s_on.entropy > 0 and s_off.entropy != s_off.entropy  # NaN: not measured
+    assert s_off.loss == s_on.loss and s_off.grad_norm == s_on.grad_norm
     bonus = Trainer(d, TrainConfig(lr=1e-3, micro_batch_tokens=64, seed=5, compute_entropy=False), None,
                     temperature=0.9, algorithm=AlgorithmConfig(entropy_coef=0.01))
-    assert bonus.train_step(_groups(), version=0)["entropy"] == pytest.approx(s_on["entropy"], rel=1e-6)
+    assert bonus.train_step(_groups(), version=0).entropy == pytest.approx(s_on.entropy, rel=1e-6)
 
 
 class _WidestVocabTensor:

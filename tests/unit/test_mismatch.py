@@ -119,9 +119,9 @@ def test_trainer_measures_the_mismatch(model_dir):
     ln = Trainer(model_dir, cfg(micro_batch_tokens=40), temperature=TEMP)
     clean = with_signal(sample_groups(hf(ln), n_groups=2, n=3, gen_len=3, seed=2, reward_fn=digit_reward))
     st = ln.train_step(clean, version=0)
-    assert st["mismatch_tokens"] == st["loss_tokens"] == 18
-    assert st["mismatch_logp_abs_mean"] < 1e-5 and st["mismatch_logp_abs_max"] < 1e-5
-    assert abs(st["mismatch_kl"]) < 1e-9 and st["mismatch_ratio_outside"] == 0.0
+    assert st.mismatch_tokens == st.loss_tokens == 18
+    assert st.mismatch_logp_abs_mean < 1e-5 and st.mismatch_logp_abs_max < 1e-5
+    assert abs(st.mismatch_kl) < 1e-9 and st.mismatch_ratio_outside == 0.0
 
     ln = Trainer(model_dir, cfg(micro_batch_tokens=40), temperature=TEMP)
     noisy = with_signal(sample_groups(hf(ln), n_groups=2, n=3, gen_len=3, seed=2, reward_fn=digit_reward))
@@ -131,10 +131,10 @@ def test_trainer_measures_the_mismatch(model_dir):
     noisy = _perturb(noisy, shifts)
     d = np.array(list(shifts.values()))
     st = ln.train_step(noisy, version=0)
-    assert st["mismatch_logp_abs_mean"] == pytest.approx(np.abs(d).mean(), abs=1e-5)
-    assert st["mismatch_logp_abs_max"] == pytest.approx(np.abs(d).max(), abs=1e-5)
-    assert st["mismatch_kl"] == pytest.approx(np.mean(np.expm1(-d) + d), abs=1e-5)  # r = π_learner/π_behav = e^−d
-    assert st["mismatch_ratio_outside"] == pytest.approx(np.mean((-d < math.log(0.5)) | (-d > math.log(5))), abs=1e-6)
+    assert st.mismatch_logp_abs_mean == pytest.approx(np.abs(d).mean(), abs=1e-5)
+    assert st.mismatch_logp_abs_max == pytest.approx(np.abs(d).max(), abs=1e-5)
+    assert st.mismatch_kl == pytest.approx(np.mean(np.expm1(-d) + d), abs=1e-5)  # r = π_learner/π_behav = e^−d
+    assert st.mismatch_ratio_outside == pytest.approx(np.mean((-d < math.log(0.5)) | (-d > math.log(5))), abs=1e-6)
 
 
 @pytest.mark.parametrize("proximal,minibatches", [("recompute", 2), ("behaviour", 1), ("behaviour", 3)])
@@ -145,11 +145,11 @@ def test_icepop_masks_and_counts_the_tokens_outside(model_dir, proximal, minibat
     # two tokens far outside [0.5, 5] (π_learner/π_behav = e^3 and e^−2), one just inside (e^1.5 = 4.5)
     groups = _perturb(groups, {(0, 0, 1): -3.0, (1, 1, 0): 2.0, (2, 0, 2): -1.5})
     st = ln.train_step(groups, version=0)
-    assert st["behav_tokens_capped"] == 2
-    assert st["mismatch_ratio_outside"] == pytest.approx(2 / st["loss_tokens"])
-    assert st["mismatch_tokens"] == st["loss_tokens"]
+    assert st.behav_tokens_capped == 2
+    assert st.mismatch_ratio_outside == pytest.approx(2 / st.loss_tokens)
+    assert st.mismatch_tokens == st.loss_tokens
     if proximal == "behaviour":
-        assert st["behav_w_min"] == 1.0 and st["behav_w_max"] == 1.0  # standard PPO: π_prox = π_behav
+        assert st.behav_w_min == 1.0 and st.behav_w_max == 1.0  # standard PPO: π_prox = π_behav
 
 
 def test_fp32_lm_head_computes_the_logits_in_fp32(model_dir):

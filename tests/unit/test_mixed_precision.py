@@ -73,8 +73,8 @@ def test_fp32_master_accumulates_updates_a_bf16_master_rounds_away(model_dir, ca
     assert "train.master_dtype=bfloat16: pure bfloat16 optimizer" in caplog.text  # never silent
     assert torch.equal(norm_gains(mixed), torch.ones_like(norm_gains(mixed)))
     for step in range(12):
-        assert not mixed.train_step(batch, version=step)["skipped"]
-        assert not pure.train_step(batch, version=step)["skipped"]
+        assert not mixed.train_step(batch, version=step).skipped
+        assert not pure.train_step(batch, version=step).skipped
     moved = (norm_gains(mixed) != 1.0).sum().item()
     assert moved >= 10, moved  # the fp32 master's updates reached the model (40 of 320 gains here)
     master_gains = torch.cat([m.detach().reshape(-1) for n, m in mixed.actor.master_by_name.items() if "norm" in n])
@@ -152,8 +152,8 @@ def test_checkpoint_keeps_the_fp32_master(model_dir, tmp_path, estimator):
         for a, b in zip(got.params, want.params):
             assert torch.equal(a, b)
     st = resumed.train_step(batches[2], version=2)
-    assert st["loss"] == ref_stats[2]["loss"] and st["grad_norm"] == ref_stats[2]["grad_norm"]
-    assert st["value_loss"] == ref_stats[2]["value_loss"]
+    assert st.loss == ref_stats[2].loss and st.grad_norm == ref_stats[2].grad_norm
+    assert st.value_loss == ref_stats[2].value_loss
     for a, b in zip(resumed.actor.master, ref.actor.master):
         assert torch.equal(a, b)  # AdamW moments restored in fp32, bit-exactly
 
@@ -177,7 +177,7 @@ def test_a_pure_bf16_checkpoint_of_earlier_builds_loads_into_an_fp32_master(mode
         assert m.dtype == torch.float32 and torch.equal(m, p_old.float())
     for m in new.actor.master:
         assert new.actor.optimizer.state[m]["exp_avg"].dtype == torch.float32
-    assert not new.train_step(groups(seed=2), version=1)["skipped"]
+    assert not new.train_step(groups(seed=2), version=1).skipped
 
 
 def test_master_dtype_combinations(model_dir):

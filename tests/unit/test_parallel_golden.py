@@ -38,7 +38,7 @@ def run_steps(model_dir: str, dtype: str = "float32", master_dtype: str = "float
         rows = []
         for step in range(1, STEPS + 1):
             st = ln.train_step(synthetic_groups(100 + step, version=step - 1), version=step - 1)
-            rows.append({"step": step, "loss": st["loss"], "grad_norm": st["grad_norm"], "lr": st["lr"]})
+            rows.append({"step": step, "loss": st.loss, "grad_norm": st.grad_norm, "lr": st.lr})
     finally:
         torch.set_num_threads(threads)
     return rows

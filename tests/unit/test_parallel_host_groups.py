@@ -143,7 +143,7 @@ def _late_first_batch_rank(rank: int, world: int, port: int, q, model_dir: str) 
                     time.sleep(2.5 * TIMEOUT_S)  # a validation and a push before the checkpoint
                 tr.layout.leader_ready("checkpoint")  # as main.py before a checkpoint
                 tr.barrier()
-            stats.append((st["loss"], st["grad_norm"], st["skipped"]))
+            stats.append((st.loss, st.grad_norm, st.skipped))
         tr.barrier()  # the followers passed every wait: the store holds none of its keys any more
         store = dist.distributed_c10d._get_default_store()
         left = [k for n in (1, 2, 3) for k in (f"areal_like/leader/{n}", f"areal_like/leader/{n}/passed")

@@ -21,10 +21,11 @@ def _rows(n: int, *, incarnation: int = 0, start: int = 1, **extra) -> list[dict
     for s in range(start, start + n):
         val = {"val/all/mean@4": s / (n + start), "val/all/pass@4": 1.0, "val/version": s, "val/step": s} \
             if s % 3 == 0 else {}
-        m = StepMetrics(step=s, version=s, reward_mean=s / (n + start), staleness_max=s % 2, dropped_stale=int(s == 4),
-                        filtered=0, samples=16, step_s=0.05, push_s=0.02, pause_window_s=0.01, fetch_s=0.03,
-                        loss=0.1, grad_norm=1.0, clipfrac=0.0, approx_kl=0.0, behav_w_max=1.0, loss_tokens=16,
-                        skipped=False, incarnation=incarnation, val=val)
+        m = StepMetrics.from_row(dict(
+            step=s, version=s, reward_mean=s / (n + start), staleness_max=s % 2, dropped_stale=int(s == 4),
+            filtered=0, samples=16, step_s=0.05, push_s=0.02, pause_window_s=0.01, fetch_s=0.03, loss=0.1,
+            grad_norm=1.0, clipfrac=0.0, approx_kl=0.0, behav_w_max=1.0, loss_tokens=16, skipped=False,
+            incarnation=incarnation, val=val))
         rows.append({**m.to_row(), **extra})
     return rows
 

@@ -87,11 +87,6 @@ def grads(learner: Trainer) -> dict[str, torch.Tensor]:
     return dict(learner.named_full_grads())
 
 
-EXPECTED_KEYS = {"loss", "reward_mean", "reward_std", "grad_norm", "clipfrac", "approx_kl", "behav_w_mean",
-                 "behav_w_min", "behav_w_max", "behav_tokens_capped", "kl_ref", "value_loss", "num_tokens",
-                 "loss_tokens", "num_groups", "num_samples", "skipped", "step_s", "optimizer_steps"}
-
-
 def with_signal(groups):
     groups[0].trajectories[0].reward = 1.0 - groups[0].trajectories[1].reward  # at least one group has signal
     return groups
@@ -103,18 +98,17 @@ def test_train_step_runs_and_changes_weights(model_dir):
                                        behav_noise=0.3))
     before = params(ln)
     st = ln.train_step(groups, version=0)
-    assert EXPECTED_KEYS <= set(st)
-    assert not st["skipped"], st["skip_reason"]
-    for k, v in st.items():
+    assert not st.skipped, st.skip_reason
+    for k, v in msgspec.structs.asdict(st).items():  # every statistic the step measured is a finite number
         if isinstance(v, float):
             assert np.isfinite(v), k
-    assert st["num_groups"] == 3 and st["num_samples"] == 12 and st["loss_tokens"] == 12 * 3
-    assert st["num_tokens"] == sum(t.num_tokens for g in groups for t in g.trajectories)
-    assert st["behav_w_max"] > 1.0 > st["behav_w_min"]  # behaviour logprobs were perturbed
-    assert st["kl_ref"] is None and st["value_loss"] is None  # no reference, no critic by default
+    assert st.num_groups == 3 and st.num_samples == 12 and st.loss_tokens == 12 * 3
+    assert st.num_tokens == sum(t.num_tokens for g in groups for t in g.trajectories)
+    assert st.behav_w_max > 1.0 > st.behav_w_min  # behaviour logprobs were perturbed
+    assert st.kl_ref is None and st.value_loss is None  # no reference, no critic by default
     changed = [n for n, p in hf(ln).named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) > 0
-    assert ln.step == 1 and ln.optimizer_steps == 1 and st["optimizer_steps"] == 1
+    assert ln.step == 1 and ln.optimizer_steps == 1 and st.optimizer_steps == 1
 
 
 def test_on_policy_weights_and_ratio_are_one(model_dir):
@@ -122,11 +116,11 @@ def test_on_policy_weights_and_ratio_are_one(model_dir):
     groups = with_signal(sample_groups(hf(ln), n_groups=2, n=3, gen_len=3, seed=2, reward_fn=digit_reward))
     st = ln.train_step(groups, version=0)
     # π_behav was computed by the same definition on the same weights (unpadded, one at a time)
-    assert st["behav_w_min"] == pytest.approx(1.0, abs=1e-5) and st["behav_w_max"] == pytest.approx(1.0, abs=1e-5)
-    assert st["behav_tokens_capped"] == 0
+    assert st.behav_w_min == pytest.approx(1.0, abs=1e-5) and st.behav_w_max == pytest.approx(1.0, abs=1e-5)
+    assert st.behav_tokens_capped == 0
     # one optimizer step: π_prox = the weights being differentiated, ratio exactly 1, nothing clipped
-    assert st["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and st["ratio_max"] == pytest.approx(1.0, abs=1e-6)
-    assert st["clipfrac"] == 0.0 and st["approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert st.ratio_mean == pytest.approx(1.0, abs=1e-6) and st.ratio_max == pytest.approx(1.0, abs=1e-6)
+    assert st.clipfrac == 0.0 and st.approx_kl == pytest.approx(0.0, abs=1e-9)
 
 
 def _p_digit(model, prompts) -> float:
@@ -152,9 +146,9 @@ def test_every_estimator_learns_the_bandit(model_dir, estimator):
     for step in range(4):
         groups = sample_groups(hf(ln), n_groups=6, n=8, gen_len=1, seed=step, reward_fn=digit_reward, version=step)
         st = ln.train_step(groups, version=step)
-        assert not st["skipped"]
-        assert (st["value_loss"] is not None) == (estimator == "gae")
-        rewards.append(st["reward_mean"])
+        assert not st.skipped
+        assert (st.value_loss is not None) == (estimator == "gae")
+        rewards.append(st.reward_mean)
     p1 = _p_digit(hf(ln), prompts)
     assert p1 > p0 * 1.5, (p0, p1, rewards)
 
@@ -165,8 +159,8 @@ def test_uniform_rewards_give_zero_advantage_for_every_estimator(model_dir):
         groups = sample_groups(hf(ln), n_groups=2, n=4, gen_len=2, seed=3, reward_fn=lambda o: 0.7)
         before = params(ln)
         st = ln.train_step(groups, version=0)
-        assert st["adv_abs_mean"] == 0.0, estimator
-        assert st["loss"] == 0.0 and st["grad_norm"] == 0.0, estimator
+        assert st.adv_abs_mean == 0.0, estimator
+        assert st.loss == 0.0 and st.grad_norm == 0.0, estimator
         assert all(torch.equal(p, before[n]) for n, p in hf(ln).named_parameters()), estimator
 
 
@@ -176,7 +170,7 @@ def test_two_micro_batches_give_the_same_gradient(model_dir):
     groups = with_signal(sample_groups(hf(one), n_groups=2, n=3, gen_len=3, seed=5, reward_fn=digit_reward,
                                        behav_noise=0.2))
     s1, s2 = one.train_step(groups, 0), two.train_step(groups, 0)
-    assert s1["loss"] == pytest.approx(s2["loss"], abs=1e-6)
+    assert s1.loss == pytest.approx(s2.loss, abs=1e-6)
     g1, g2 = grads(one), grads(two)
     n_nonzero = 0
     for n, g in g2.items():
@@ -189,9 +183,9 @@ def test_minibatches_take_several_optimizer_steps_and_the_clip_binds(model_dir):
     ln = Trainer(model_dir, cfg(lr=3e-2, ppo_minibatches=4, ppo_epochs=2), temperature=TEMP)
     groups = with_signal(sample_groups(hf(ln), n_groups=4, n=4, gen_len=3, seed=8, reward_fn=digit_reward))
     st = ln.train_step(groups, version=0)
-    assert st["optimizer_steps"] == 8 and ln.optimizer_steps == 8 and st["num_minibatches"] == 4
-    assert st["ratio_max"] > 1.0 and st["approx_kl"] > 0.0  # π_θ moved away from π_prox within the step
-    assert st["clipfrac"] > 0.0
+    assert st.optimizer_steps == 8 and ln.optimizer_steps == 8 and st.num_minibatches == 4
+    assert st.ratio_max > 1.0 and st.approx_kl > 0.0  # π_θ moved away from π_prox within the step
+    assert st.clipfrac > 0.0
 
 
 def test_recompute_uses_the_steps_starting_weights(model_dir):
@@ -202,10 +196,10 @@ def test_recompute_uses_the_steps_starting_weights(model_dir):
         ln = Trainer(model_dir, cfg(ppo_minibatches=3), temperature=TEMP)
         groups = with_signal(sample_groups(hf(ln), n_groups=3, n=4, gen_len=2, seed=9, reward_fn=digit_reward))
         st = ln.train_step(groups, version=0)
-        assert st["optimizer_steps"] == 3
+        assert st.optimizer_steps == 3
         runs[mode] = (st, params(ln))
     for mode in ("behaviour", "loglinear"):
-        assert runs[mode][0]["loss"] == pytest.approx(runs["recompute"][0]["loss"], abs=1e-5)
+        assert runs[mode][0].loss == pytest.approx(runs["recompute"][0].loss, abs=1e-5)
         for n, p in runs[mode][1].items():
             torch.testing.assert_close(p, runs["recompute"][1][n], atol=1e-5, rtol=0, msg=f"{mode} {n}")
 
@@ -215,7 +209,7 @@ def test_behaviour_proximal_makes_the_behaviour_weight_one(model_dir):
     groups = with_signal(sample_groups(hf(ln), n_groups=2, n=4, gen_len=3, seed=4, reward_fn=digit_reward,
                                        behav_noise=0.5, version=0))
     st = ln.train_step(groups, version=3)  # stale data (η ≥ 2): still w ≡ 1 by construction
-    assert st["behav_w_min"] == 1.0 and st["behav_w_max"] == 1.0 and st["behav_tokens_capped"] == 0
+    assert st.behav_w_min == 1.0 and st.behav_w_max == 1.0 and st.behav_tokens_capped == 0
 
 
 def test_reference_kl_starts_at_zero_and_the_kl_loss_keeps_it_smaller(model_dir):
@@ -228,7 +222,7 @@ def test_reference_kl_starts_at_zero_and_the_kl_loss_keeps_it_smaller(model_dir)
         for step in range(4):
             groups = with_signal(sample_groups(hf(ln), n_groups=3, n=4, gen_len=2, seed=20 + step,
                                                reward_fn=digit_reward, version=step))
-            seq.append(ln.train_step(groups, version=step)["kl_ref"])
+            seq.append(ln.train_step(groups, version=step).kl_ref)
         kls[coef] = seq
     assert kls[0.0][0] == pytest.approx(0.0, abs=1e-7)  # the reference is the initial policy
     assert kls[0.0][-1] > 0 and kls[0.1][-1] < kls[0.0][-1], kls
@@ -242,7 +236,7 @@ def test_kl_in_reward_changes_the_advantages(model_dir):
         for k, t in enumerate(g.trajectories):
             t.logprobs = (t.logprobs_np() + np.float32(0.1 * k) * t.mask_np()).astype(np.float32).tobytes()
     st = ln.train_step(groups, version=0)
-    assert st["adv_abs_mean"] > 0.0 and st["kl_ref"] is not None
+    assert st.adv_abs_mean > 0.0 and st.kl_ref is not None
 
 
 def test_overlong_penalty_shapes_the_reward(model_dir):
@@ -252,7 +246,7 @@ def test_overlong_penalty_shapes_the_reward(model_dir):
                  max_new_tokens=4)
     groups = sample_groups(hf(ln), n_groups=1, n=4, gen_len=3, seed=3, reward_fn=lambda o: 1.0)
     st = ln.train_step(groups, version=0)
-    assert st["reward_mean"] == 1.0 and st["score_mean"] == pytest.approx(0.5)  # 3 of 4 tokens: half-way down the 2-token ramp
+    assert st.reward_mean == 1.0 and st.score_mean == pytest.approx(0.5)  # 3 of 4 tokens: half-way down the 2-token ramp
 
 
 def test_non_finite_gradient_skips_the_step(model_dir, caplog):
@@ -265,7 +259,7 @@ def test_non_finite_gradient_skips_the_step(model_dir, caplog):
     t.logprobs = lp.tobytes()
     before = params(ln)
     st = ln.train_step(groups, version=0)
-    assert st["skipped"] and "non-finite" in st["skip_reason"]
+    assert st.skipped and "non-finite" in st.skip_reason
     assert "skipped" in caplog.text
     assert all(torch.equal(p, before[n]) for n, p in hf(ln).named_parameters())
     assert ln.step == 1 and ln.optimizer_steps == 0 and ln.skipped_steps == 1
@@ -302,9 +296,9 @@ def test_checkpoint_round_trip_matches_uninterrupted_run(model_dir, tmp_path, es
     assert extra == {"buffer_offset": "12-0", "version": 2}
     assert resumed.step == 2 and resumed.optimizer_steps == 4
     st = resumed.train_step(batches[2], version=2)
-    assert st["loss"] == ref_stats[2]["loss"]
-    assert st["grad_norm"] == ref_stats[2]["grad_norm"]
-    assert st["value_loss"] == ref_stats[2]["value_loss"]
+    assert st.loss == ref_stats[2].loss
+    assert st.grad_norm == ref_stats[2].grad_norm
+    assert st.value_loss == ref_stats[2].value_loss
     for (n, p), (_, q) in zip(hf(resumed).named_parameters(), hf(ref).named_parameters()):
         assert torch.equal(p, q), n  # optimizer moments restored bit-exactly
     if estimator == "gae":
@@ -354,5 +348,5 @@ def test_colocated_sleep_frees_gradients_and_the_next_step_is_unchanged(model_di
     slept.sleep()
     assert slept.wake() >= 0.0 and not slept.actor.asleep  # nothing moved on CPU
     a, b = plain.train_step(groups, version=1), slept.train_step(groups, version=1)
-    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert a.loss == b.loss and a.grad_norm == b.grad_norm
     assert all(torch.equal(p, q) for p, q in zip(hf(plain).parameters(), hf(slept).parameters()))

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             "dataloader_cursor")})
         if rank == 0:
             with open(a.out, "a") as f:
-                f.write(json.dumps({"step": step, "loss": st["loss"], "grad_norm": st["grad_norm"]}) + "\n")
+                f.write(json.dumps({"step": step, "loss": st.loss, "grad_norm": st.grad_norm}) + "\n")
         if a.die_after and step == a.die_after:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash right after step k's checkpoint
     if dist.is_initialized():
