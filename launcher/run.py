@@ -785,7 +785,7 @@ class Run:
 
     def _count_restart(self, kind: str) -> None:
         try:
-            self._view().count_restart(kind)  # the learner watches restarts:server to re-sync that server
+            self._view().run.count_restart(kind)  # the learner watches restarts:server to re-sync that server
         except Exception as e:  # noqa: BLE001 — the restart itself must go on; the learner also re-syncs on a failed push
             print(f"[launcher] could not count the restart in Redis: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
@@ -836,9 +836,9 @@ class Run:
         minutes on SGLang's side, which no route ends: they are restarted (each counts one restart of its
         own budget) and the new learner re-syncs them. Gloo groups time out on both sides: nothing to do."""
         try:
-            push = self._view().push_in_flight()
+            push = self._view().run.push_in_flight()
             if push is not None:
-                self._view().mark_push(None)
+                self._view().run.mark_push(None)
         except Exception as e:  # noqa: BLE001 — Redis down: its restart comes first; the servers time out at worst
             print(f"[launcher] could not read the weight push under way: {type(e).__name__}: {e}", file=sys.stderr,
                   flush=True)
@@ -855,7 +855,7 @@ class Run:
         """The learner's requests (Redis `restart_requests`): a server stuck in an NCCL broadcast after a failed
         push is stopped here; the death path restarts it within its own budget (`_on_death`)."""
         try:
-            requests = self._view().take_restart_requests()
+            requests = self._view().run.take_restart_requests()
         except Exception:  # noqa: BLE001 — Redis down: the supervision loop restarts it; asked again later
             return
         for req in requests:
@@ -1016,7 +1016,7 @@ class Run:
         new = [k for k, n in self._reward_failures.items() if n and k not in self._reward_failures_shown]
         if not new:
             return
-        _, first = self._buffer.reward_failure_details()
+        _, first = self._buffer.run.reward_failure_details()
         for kind in new:
             self._reward_failures_shown.add(kind)
             text = first.get(kind, "(no details recorded)")

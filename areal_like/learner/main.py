@@ -142,7 +142,7 @@ class Coordinator:
         # live ones (`Trainer.weight_source`), unchanged until the next train step, after which the next
         # push replaces them (a re-sync during a validation in between: see `collect_eval`).
         self.pushed: tuple[Any, int] | None = None
-        self.seen_restarts = 0  # buffer.restarts("server") when the servers were last known in sync
+        self.seen_restarts = 0  # buffer.run.restarts("server") when the servers were last known in sync
         from areal_like.metrics.loggers import make_loggers
 
         self.loggers = make_loggers(cfg, run_dir, incarnation, on_error=_log)  # TensorBoard, W&B (rank 0 only)
@@ -164,7 +164,7 @@ class Coordinator:
                                         rollback=(version, self.cfg.train.batch_size) if rollback else None)
         if self.redo:
             _log(f"recovered {len(self.redo)} entr(ies) read but not covered by a checkpoint: training them first")
-        self.seen_restarts = self.buffer.restarts("server")
+        self.seen_restarts = self.buffer.run.restarts("server")
         self.pushed = (weights, version)
         held = (extra or {}).get("held_row")
         if held is not None:  # the previous learner died before writing it (waiting for its validation)
@@ -314,7 +314,7 @@ class Coordinator:
         return res
 
     def _restarted(self) -> str | None:
-        n = self.buffer.restarts("server")
+        n = self.buffer.run.restarts("server")
         return f"server(s) restarted ({n - self.seen_restarts} restart(s))" if n > self.seen_restarts else None
 
     def _raise_if_restarted(self) -> None:
@@ -340,7 +340,7 @@ class Coordinator:
         for attempt in range(MAX_RESYNCS + 1 if resync is None else MAX_RESYNCS):
             try:
                 if reason is not None:
-                    seen = self.buffer.restarts("server")  # before: a restart during the re-sync triggers another
+                    seen = self.buffer.run.restarts("server")  # before: a restart during the re-sync triggers another
                     how = await self.pusher.reform()
                 if in_phase and self._release and self._released_tags is None:
                     await self.pusher.resume_memory(["weights"])  # a restarted server has nothing released
@@ -350,10 +350,10 @@ class Coordinator:
                     await self.pusher.resume_memory(self._released_tags)
                 nccl = getattr(self.pusher, "backend", None) == "nccl"
                 if nccl:  # the launcher restarts the servers if this learner dies before it ends
-                    self.buffer.mark_push({"version": version, "backend": "nccl"})
+                    self.buffer.run.mark_push({"version": version, "backend": "nccl"})
                 res = await self.pusher.update(weights, version, paused=in_phase)
                 if nccl:
-                    self.buffer.mark_push(None)
+                    self.buffer.run.mark_push(None)
             except WeightPushError as e:
                 err = e
                 reason = reason or "a weight push failed"
@@ -380,22 +380,22 @@ class Coordinator:
         stuck = list(getattr(self.pusher, "stuck", []) or [])
         if getattr(self.pusher, "backend", None) != "nccl" or not stuck:
             return
-        before = self.buffer.restarts("server")
+        before = self.buffer.run.restarts("server")
         names = [f"server{self.pusher.server_urls.index(u)}" for u in stuck]
         for name, url in zip(names, stuck):
-            self.buffer.request_restart(name, f"stuck in an NCCL weight broadcast at {url} after a failed push")
+            self.buffer.run.request_restart(name, f"stuck in an NCCL weight broadcast at {url} after a failed push")
         wait_s = max(self.cfg.server.health_timeout_s, 900.0)
         _log(f"asked the launcher to restart {', '.join(names)} (stuck in the failed broadcast); waiting up to "
              f"{wait_s:.0f} s for them")
         deadline = time.monotonic() + wait_s
-        while self.buffer.restarts("server") < before + len(names):
+        while self.buffer.run.restarts("server") < before + len(names):
             if time.monotonic() > deadline:
                 raise WeightPushError(f"{', '.join(names)} did not come back within {wait_s:.0f} s after the launcher "
                                       "was asked to restart them (server.health_timeout_s)")
             await asyncio.sleep(1.0)
 
     def set_version(self, version: int) -> None:
-        self.buffer.set_version(version)
+        self.buffer.run.set_version(version)
         M.POLICY_VERSION.set(version)
 
     def published(self, step: int, version: int, batch: Batch) -> None:

@@ -2,12 +2,12 @@
 
     RewardFn.on_failure(kind, text, first) ──► record() (in memory, no I/O)
     run(stop): every `interval_s` (at once after a kind's first failure) ──► flush():
-        ReplayBuffer.count_reward_failures_async({kind: n}, {kind: first text})
+        ReplayBuffer.run.count_reward_failures_async({kind: n}, {kind: first text})
           HINCRBY {p}:counters reward_failures:<kind> n;  HSETNX {p}:reward_failures:first <kind> text
 
 The launcher reads them for its progress line, summary.json and the console (the first failure of each
 kind with its traceback, printed once); the learner for its metrics.jsonl row
-(`ReplayBuffer.reward_failures()`). A flush that fails (Redis unreachable) keeps its counts for the next.
+(`ReplayBuffer.run.reward_failures()`). A flush that fails (Redis unreachable) keeps its counts for the next.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class FailureReporter:
         counts, first = self._counts, self._first
         self._counts, self._first = {}, {}
         try:
-            await self.buffer.count_reward_failures_async(counts, first)
+            await self.buffer.run.count_reward_failures_async(counts, first)
             self._warned = False
         except Exception as e:  # Redis away (restarting): keep them for the next flush
             for k, n in counts.items():

@@ -156,7 +156,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
     # last run stopped (saved in Redis after every group started): no group id is reused, so none is
     # generated only to be discarded as already trained.
     seq = 0
-    cursor = await buffer.rollout_cursor_async(index)
+    cursor = await buffer.run.rollout_cursor_async(index)
     if cursor is not None:
         seq = int(cursor["seq"])
         prompts.load_state_dict(cursor["prompts"])
@@ -203,7 +203,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
             if not counts:
                 return
             try:
-                await buffer.count_workflow_failures_async(counts)
+                await buffer.run.count_workflow_failures_async(counts)
                 count_warned[0] = False
             except Exception as e:  # Redis away (restarting): keep them for the next flush
                 failures.put_back(counts)
@@ -282,7 +282,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
                     if refused:  # past rollout.multi_turn.max_completions_per_episode (agent/proxy.py)
                         M.AGENT_COMPLETIONS_REFUSED.inc(refused)
                         try:  # the group is in the buffer already: a lost count must not fail (and retry) it
-                            await buffer.count_agent_refusals_async(refused)
+                            await buffer.run.count_agent_refusals_async(refused)
                         except Exception as e:
                             _log(index, f"group {group_id}: counting {refused} refused agent completion(s) "
                                         f"in Redis failed: {type(e).__name__}: {e}")
@@ -351,7 +351,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
                 break
             record = retry.pop(0) if retry else next(prompts)
             seq += 1
-            await buffer.set_rollout_cursor_async(index, {"seq": seq, "prompts": prompts.state_dict()})
+            await buffer.run.set_rollout_cursor_async(index, {"seq": seq, "prompts": prompts.state_dict()})
             M.ROLLOUT_INFLIGHT.inc()
             task = asyncio.create_task(one(record, group_id))
             inflight.add(task)
@@ -367,7 +367,7 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
         if dropped_at_stop[0]:
             M.ROLLOUT_DROPPED_AT_STOP.inc(dropped_at_stop[0])
             try:
-                await buffer.count_dropped_at_stop_async(dropped_at_stop[0])
+                await buffer.run.count_dropped_at_stop_async(dropped_at_stop[0])
                 _log(index, f"{dropped_at_stop[0]} group(s) in flight dropped at stop "
                             f"(summary.json buffer.dropped_in_flight_at_stop)")
             except Exception as e:

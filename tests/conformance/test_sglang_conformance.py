@@ -480,7 +480,7 @@ def _handoff_rank(rank: int, world: int, port: int, layout: str, model_dir: str,
         with open(f"{out}.pid{rank}", "w") as f:
             f.write(str(os.getpid()))
         if rank == 0:
-            async def push() -> dict:
+            async def push():
                 p = CudaIpcWeightPusher([url], tp_per_server=[2], bucket_bytes=16 << 10, timeout_s=60,
                                         admin_api_key=ADMIN, dtype="bfloat16",
                                         server_gpus=[[[0, 0], [0, 1]]], learner_gpus=[[0, 0], [0, 1]])
@@ -490,12 +490,12 @@ def _handoff_rank(rank: int, world: int, port: int, layout: str, model_dir: str,
                 finally:
                     await p.close()
 
-            res = asyncio.run(push())
+            res = msgspec.structs.asdict(asyncio.run(push()))
             res["want"] = {n: [list(t.shape), str(t.dtype if not t.is_floating_point() else torch.bfloat16)
                                .removeprefix("torch."), sha(t.to(torch.bfloat16) if t.is_floating_point() else t)]
                            for n, t in full}
             with open(out, "w") as f:
-                json.dump(msgspec.structs.asdict(res), f)
+                json.dump(res, f)
         tr.layout.leader_ready("finish the weight handoff")  # the other rank serves the handoff's commands here
         leave_pool()
     finally:

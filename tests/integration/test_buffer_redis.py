@@ -149,9 +149,9 @@ def test_filter_stale_acks_and_counts(buf):
 
 
 def test_version_key(buf):
-    assert buf.get_version() == 0
-    buf.set_version(7)
-    assert buf.get_version() == 7
+    assert buf.run.get_version() == 0
+    buf.run.set_version(7)
+    assert buf.run.get_version() == 7
 
 
 def test_oldest_age_counts_only_undelivered(buf):
@@ -188,7 +188,7 @@ def test_wrong_password_fails_fast_and_names_the_peer(redis_server, redis_stream
                        endpoint=RedisEndpoint(f"redis://:Zq9badpw@127.0.0.1:{redis_server.port}/0", retries=5))
     t0 = time.monotonic()
     with pytest.raises(RedisCallError) as ei:
-        bad.get_version()
+        bad.run.get_version()
     assert time.monotonic() - t0 < 2  # auth errors are not retried
     assert f"127.0.0.1:{redis_server.port}/0" in str(ei.value) and "Zq9badpw" not in str(ei.value)
 
@@ -196,7 +196,7 @@ def test_wrong_password_fails_fast_and_names_the_peer(redis_server, redis_stream
 def test_password_from_env_when_url_has_none(redis_server, redis_stream, monkeypatch):
     monkeypatch.setenv("MY_REDIS_PW", redis_server.password)
     b = ReplayBuffer(f"redis://127.0.0.1:{redis_server.port}/0", stream=redis_stream, password_env="MY_REDIS_PW")
-    assert b.get_version() == 0
+    assert b.run.get_version() == 0
     b.close()
 
 
@@ -209,7 +209,7 @@ def test_kill9_and_restart_keeps_entries_counters_and_version(tmp_path):
             assert gate.try_acquire(f"g{i}")
             b.add_group(group(f"g{i}"))
         assert gate.try_acquire("still-running")
-        b.set_version(1)
+        b.run.set_version(1)
         read = b.read(3, consumer="L")
         b.ack([read[0][0]])  # g0 committed; g1, g2 pending; g3..g5 undelivered
         before = b.stats()
@@ -217,7 +217,7 @@ def test_kill9_and_restart_keeps_entries_counters_and_version(tmp_path):
         srv.kill()
         with pytest.raises(RedisCallError):
             b.endpoint.retries, b.endpoint.reconnect_timeout_s = 0, 0
-            b.get_version()
+            b.run.get_version()
         srv.restart()
         b.endpoint.retries, b.endpoint.reconnect_timeout_s = 6, 60
         after = b.stats()  # the same client object reconnects
@@ -342,7 +342,7 @@ def test_recover_with_rollback_rewinds_the_buffer_once(buf, redis_server):
     for step in (1, 2):
         entries = buf.read(2, consumer="L")
         buf.commit([(e, g.group_id) for e, g in entries], step=step, consumer="L")
-    buf.set_version(2)
+    buf.run.set_version(2)
     c = buf.endpoint.client
     credit0 = int(c.hget(buf.keys.counters, "gate_credit") or 0)
     back = ReplayBuffer(redis_server.url, stream=buf.stream, block_ms=100)

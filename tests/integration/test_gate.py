@@ -100,7 +100,7 @@ async def learn_async(buf: ReplayBuffer, gate: StalenessGate, b: int, versions: 
         mon.check(await gate.state_async())
         await asyncio.sleep(step_s)
         await buf.ack_async([e for e, _ in batch])
-        await buf.set_version_async(v + 1)  # "weights landed on every server"
+        await buf.run.set_version_async(v + 1)  # "weights landed on every server"
 
 
 @pytest.mark.parametrize("eta", [0, 2])
@@ -191,7 +191,7 @@ def test_gate_bound_across_os_processes(redis_server, redis_stream, eta, tmp_pat
             dropped += len(drop)
             time.sleep(0.02)
             buf.ack([e for e, _ in keep])
-            buf.set_version(v + 1)
+            buf.run.set_version(v + 1)
         for p in procs:
             assert p.wait(timeout=30) == 0, (tmp_path / "p0.log").read_text()
     finally:
@@ -268,7 +268,7 @@ async def test_acquire_waits_for_the_learner_and_times_out_with_counters(redis_s
     waiter = asyncio.create_task(gate.acquire("g1", timeout_s=10))
     await asyncio.sleep(0.1)
     assert not waiter.done()
-    await buf.set_version_async(1)  # learner consumed step 0 and published v=1
+    await buf.run.set_version_async(1)  # learner consumed step 0 and published v=1
     d = await asyncio.wait_for(waiter, 5)
     assert d.granted and d.version == 1 and d.capacity == 2
     await gate.aclose()
@@ -316,7 +316,7 @@ def test_waiters_wake_on_the_learners_version_bump(redis_server, redis_stream):
         assert await gate.wait_version_async(0.05) is False  # no bump: it returns at its timeout
         waiter = asyncio.ensure_future(gate.wait_version_async(30.0))
         await asyncio.sleep(0.1)  # the waiter is blocked in XREAD
-        await asyncio.to_thread(buf.set_version, 3)
+        await asyncio.to_thread(buf.run.set_version, 3)
         assert await waiter is True  # woken by the bump's event (a timeout returns False)
         assert (await gate.state_async())["version"] == 3  # the SET landed before the event
         await gate.aclose()

@@ -114,7 +114,7 @@ def run_learner(url: str, trained: list[str], stop: threading.Event, errors: lis
             trained.extend(g.group_id for _, g in entries)  # "train"
             step += 1
             buf.commit([(e, g.group_id) for e, g in entries], step, consumer="L")
-            buf.set_version(step)
+            buf.run.set_version(step)
         out["restarts"] = buf.endpoint.restarts
         out["held"] = buf.held("L")
         buf.close()

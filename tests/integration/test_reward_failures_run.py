@@ -30,7 +30,7 @@ async def test_worker_failures_reach_the_counters(redis_server, redis_stream, tm
     """))
     buf = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100)
     other = ReplayBuffer(redis_server.url, stream=redis_stream, block_ms=100)  # e.g. the launcher's
-    assert other.reward_failures() == {"exception": 0, "timeout": 0, "non_finite": 0, "not_a_number": 0}
+    assert other.run.reward_failures() == {"exception": 0, "timeout": 0, "non_finite": 0, "not_a_number": 0}
     reporters = []
     fns = []
     try:
@@ -45,9 +45,9 @@ async def test_worker_failures_reach_the_counters(redis_server, redis_stream, tm
                              *(fns[1].score("d", s, "g") for s in ["str", "raise", "ok"]))
         stop.set()
         await asyncio.gather(*tasks)
-        counts, first = other.reward_failure_details()
+        counts, first = other.run.reward_failure_details()
         assert counts == {"exception": 3, "timeout": 0, "non_finite": 1, "not_a_number": 1}
-        assert other.reward_failures() == counts == other.stats()["reward_failures"]
+        assert other.run.reward_failures() == counts == other.stats()["reward_failures"]
         # the first failure of each kind in the run, once (HSETNX): with the worker's name and traceback
         assert set(first) == {"exception", "non_finite", "not_a_number"}
         assert first["exception"].startswith("[rollout") and "RuntimeError: reward exploded on raise" in first["exception"]
@@ -55,7 +55,7 @@ async def test_worker_failures_reach_the_counters(redis_server, redis_stream, tm
         assert "[rollout1]" in first["not_a_number"] and "'good'" in first["not_a_number"]
         # nothing more to flush: a second flush adds nothing
         await reporters[0].flush()
-        assert other.reward_failures() == counts
+        assert other.run.reward_failures() == counts
     finally:
         for fn in fns:
             await fn.close()

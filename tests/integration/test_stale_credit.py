@@ -40,7 +40,7 @@ def test_stale_drop_credits_the_gate_atomically(redis_server, redis_stream):
     for k, v in enumerate((0, 0)):
         assert gate.try_acquire(f"g{k}") and buf.add_group(group(f"g{k}", v))
     assert gate.state()["capacity"] == 2 and not gate.try_acquire("g2")
-    buf.set_version(1)  # capacity 4: two more at v=1
+    buf.run.set_version(1)  # capacity 4: two more at v=1
     for k in (2, 3):
         assert gate.try_acquire(f"g{k}") and buf.add_group(group(f"g{k}", 1))
     assert not gate.try_acquire("g4")

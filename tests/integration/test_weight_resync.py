@@ -127,7 +127,7 @@ async def test_restarted_server_is_resynced_distributed(engine_servers, tiny_mod
         held = asyncio.ensure_future(sample(servers[1].url))
         await asyncio.sleep(0.5)
         assert not held.done()
-        assert buf.count_restart("server") == 1  # the launcher, once the server answers /health
+        assert buf.run.count_restart("server") == 1  # the launcher, once the server answers /health
         # fetch waits for data (none comes) and re-syncs meanwhile; it returns when told to stop
         assert await coord.fetch(1, lambda: coord.seen_restarts >= 1) is None
         assert coord.pusher.group_name == "weight_update_group_0_r1" and resyncs() == n0 + 1
@@ -147,7 +147,7 @@ async def test_restarted_server_is_resynced_distributed(engine_servers, tiny_mod
         await assert_serves(servers, m2, 2)
 
         # 3. the launcher counts that restart only now: the next push re-forms the group first (harmless)
-        buf.count_restart("server")
+        buf.run.count_restart("server")
         await coord.push(list(m3.state_dict().items()), 3)
         assert coord.seen_restarts == 2 and resyncs() == n0 + 3
         await assert_serves(servers, m3, 3)
@@ -186,7 +186,7 @@ async def test_restarted_server_is_resynced_disk(engine_servers, tiny_model_dir,
     try:
         await coord.push(list(m1.state_dict().items()), 1)
         srv = restarted(srv, tiny_model_dir)
-        coord.buffer.count_restart("server")
+        coord.buffer.run.count_restart("server")
         assert await coord.fetch(1, lambda: coord.seen_restarts >= 1) is None
         await assert_serves([srv], m1, 1)
     finally:

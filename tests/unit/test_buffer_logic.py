@@ -183,7 +183,7 @@ def test_a_peer_that_never_answers_times_out_naming_it():
                                                   retries=0, reconnect_timeout_s=0))
         t0 = time.monotonic()
         with pytest.raises(RedisCallTimeout, match=rf"127\.0\.0\.1:{port}/0 key \{{s\}}:version: get policy version"):
-            buf.get_version()
+            buf.run.get_version()
         assert time.monotonic() - t0 < 5
     finally:
         srv.close()

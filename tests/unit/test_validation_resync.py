@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from areal_like.api.config import ExperimentConfig
+from areal_like.api.step_stats import PushResult
 from areal_like.learner.main import Coordinator
 
 
@@ -25,9 +26,13 @@ class _Evals:
         return {"val/reward": 0.5}
 
 
-class _Buffer:
+class _RunState:
     def restarts(self, kind: str) -> int:
         return 1  # one server restart since the coordinator last synced
+
+
+class _Buffer:
+    run = _RunState()
 
 
 def _coordinator() -> tuple[Coordinator, list]:
@@ -40,7 +45,7 @@ def _coordinator() -> tuple[Coordinator, list]:
     async def push(weights, version, resync=None):
         pushes.append((weights, version, resync))
         c.seen_restarts = 1
-        return {}
+        return PushResult()
 
     c._push = push
     return c, pushes
