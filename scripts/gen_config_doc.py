@@ -134,19 +134,24 @@ def render(config_py: str = CONFIG_PY) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    text = render()
+def write_or_check(out: str, text: str, argv: list[str]) -> int:
+    """Write `text` to `out`, or with `--check` in `argv` exit 1 if `out` differs (the generated docs share it)."""
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "the generator"
     if "--check" in argv:
-        with open(OUT, encoding="utf-8") as f:
+        with open(out, encoding="utf-8") as f:
             if f.read() != text:
-                print(f"{OUT} is stale: run .venv/bin/python scripts/gen_config_doc.py", file=sys.stderr)
+                print(f"{out} is stale: run .venv/bin/python scripts/{script}", file=sys.stderr)
                 return 1
         return 0
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="utf-8") as f:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return write_or_check(OUT, render(), argv)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "docs", "metrics.md")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from areal_like.api.run_files import PUSH_FIELDS, RUN_FIELDS, TRAIN_FIELDS  # noqa: E402
+from gen_config_doc import write_or_check  # noqa: E402
 
 
 def _cell(text: str | None) -> str:
@@ -79,18 +81,7 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        with open(OUT, encoding="utf-8") as f:
-            if f.read() != text:
-                print(f"{OUT} is stale: run .venv/bin/python scripts/gen_metrics_doc.py", file=sys.stderr)
-                return 1
-        return 0
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {OUT}")
-    return 0
+    return write_or_check(OUT, render(), argv)
 
 
 if __name__ == "__main__":
