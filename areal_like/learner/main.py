@@ -65,7 +65,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from areal_like import metrics as M
 from areal_like.api.config import ExperimentConfig, decode_config
 from areal_like.api.run_files import Endpoints, StepMetrics, append_metrics, reward_reached
