@@ -40,7 +40,7 @@ def _table(fields) -> list[str]:
     for f in fields:
         row = f"`{f.row}`" if f.row is not None else "(not in the row)"
         if f.name in ("val", "reward_failures"):
-            row = f"`{'val' if f.name == 'val' else f.name}/…`"
+            row = f"`{f.name}/…`"
         tracker = f"`{f.tracker}…`" if f.tracker and f.tracker.endswith("/") else (f"`{f.tracker}`" if f.tracker
                                                                                     else "—")
         lines.append(f"| {row} | `{f.name}` | `{_cell(f.type)}` | {tracker} | {_prom(f)} | {_cell(f.doc)} |")

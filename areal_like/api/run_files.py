@@ -172,7 +172,6 @@ def trained_steps(trained_log: str) -> dict[int, list[str]]:
     return dict(sorted(steps.items()))
 
 
-
 def reward_reached(rewards: list[float], target: float | None, window: int) -> float | None:
     """`train.stop_reward`: the mean reward of the last `window` steps when it reaches `target` (the
     learner then stops, and the launcher's summary says `reward_reached`), else None. Fewer steps than

@@ -98,7 +98,7 @@ from areal_like.api.trajectory import TrajectoryGroup, decode_group, encode_grou
 from areal_like.buffer import scripts
 from areal_like.buffer import staleness as stale_policy
 from areal_like.buffer.redis_client import Call, Cmd, OpGen, RedisCallError, RedisCallTimeout, RedisEndpoint, Sleep
-from areal_like.buffer.run_state import RunState
+from areal_like.buffer.run_state import RunState, as_str
 from areal_like.buffer.staleness import StalePolicy, split_stale, staleness  # noqa: F401  (re-exported)
 from areal_like.metrics import (
     BUFFER_ADDED,
@@ -134,10 +134,6 @@ class BufferFullTimeout(RedisCallTimeout):
 class CheckpointBehindBuffer(RuntimeError):
     """The buffer committed a learner step newer than the checkpoint being resumed: the groups of the
     steps in between were acked but are not in the model. Resume from the newest checkpoint."""
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def _fields(fields: Any) -> dict[bytes, bytes] | None:
@@ -330,7 +326,7 @@ class ReplayBuffer:
                     self._journal_add(gid, payload)
                     return True
             if status == 0:
-                log.info("group %s already in %s (%s): duplicate add ignored", gid, k.stream, _s(info))
+                log.info("group %s already in %s (%s): duplicate add ignored", gid, k.stream, as_str(info))
                 return False
             if status == 1:  # the check found room: add now
                 check_first = False
@@ -343,11 +339,11 @@ class ReplayBuffer:
             if now >= deadline:
                 raise BufferFullTimeout(
                     f"redis {self.endpoint.name} key {k.stream}: add group {gid} waited {timeout_s:.1f} s "
-                    f"for room (depth {_s(info)} ≥ max_groups {self.max_groups}); is the learner consuming?"
+                    f"for room (depth {as_str(info)} ≥ max_groups {self.max_groups}); is the learner consuming?"
                 )
             if now - waited_log > 30.0:
                 log.warning("add group %s: %s full (depth %s ≥ %d) for 30 s; waiting for the learner",
-                            gid, k.stream, _s(info), self.max_groups)
+                            gid, k.stream, as_str(info), self.max_groups)
                 waited_log = now
             yield Sleep(self.add_poll_s)
 
@@ -362,13 +358,13 @@ class ReplayBuffer:
         cand: list[tuple[str, bytes | None]] = []
         to_check: list[str] = []
         for rid, fields in raw:
-            eid = _s(rid)
+            eid = as_str(rid)
             if eid in held:
                 continue  # delivered again after Redis lost the first delivery: we hold it already
             f = _fields(fields)
             cand.append((eid, f.get(b"g") if f else None))
             if f and b"i" in f and (check_all or f.get(b"r") == b"1"):
-                to_check.append(_s(f[b"i"]))  # re-added after a restart (or a recovery path): check
+                to_check.append(as_str(f[b"i"]))  # re-added after a restart (or a recovery path): check
         trained: set[str] = set()
         if to_check:
             flags = yield Call.one(f"check {len(to_check)} group ids against the trained set", self.keys.trained,
@@ -417,7 +413,7 @@ class ReplayBuffer:
             if not page:
                 return out
             out.extend(page)
-            start = _s(page[-1][0])
+            start = as_str(page[-1][0])
             if len(page) < _PEL_PAGE:
                 return out
 
@@ -461,8 +457,8 @@ class ReplayBuffer:
             seen = ep.restarts  # a restart noticed during the scan makes the next read scan again
             pel = yield from self._g_own_pending(consumer)
             self._restarts_seen[consumer] = seen
-            ids = {_s(r[0]) for r in raw}
-            extra = [r for r in pel if _s(r[0]) not in ids and _s(r[0]) not in self._held.get(consumer, {})]
+            ids = {as_str(r[0]) for r in raw}
+            extra = [r for r in pel if as_str(r[0]) not in ids and as_str(r[0]) not in self._held.get(consumer, {})]
             if extra:
                 log.warning("%d entr(y/ies) of %s were pending for %s without our knowing (a read reply lost in a "
                             "reconnect, or an ack lost in a Redis restart): delivering them now", len(extra), k.stream,
@@ -566,7 +562,7 @@ class ReplayBuffer:
                 idempotent=False,
             )
             raw.extend(got)
-            start = _s(nxt)
+            start = as_str(nxt)
             if start == "0-0":
                 break
         out = yield from self._g_accept(raw, consumer, check_all=True)
@@ -611,9 +607,9 @@ class ReplayBuffer:
         xlen, pending, oldest, now_ms, version, running, flat = yield Call.one(
             "stats", k.stream, Cmd.lua(scripts.STATS, [k.stream, k.counters, k.version, k.running],
                                        [self.consumer_group]), idempotent=True)
-        counters = {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        counters = {as_str(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         dropped = {f[len("dropped:"):]: v for f, v in counters.items() if f.startswith("dropped:")}
-        oldest_s = _s(oldest)
+        oldest_s = as_str(oldest)
         age = max(0.0, (int(now_ms) - int(oldest_s.split("-")[0])) / 1000) if oldest_s else 0.0
         st = {
             "added": counters.get("accepted", 0),

@@ -28,7 +28,8 @@ from areal_like.buffer.redis_client import Call, Cmd, OpGen, RedisEndpoint
 VERSION_EVENTS_MAXLEN = 64  # events kept on the version-events stream (waiters only read new ones)
 
 
-def _s(x: Any) -> str:
+def as_str(x: Any) -> str:
+    """A Redis reply value (bytes or not) as text."""
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
@@ -58,7 +59,7 @@ class RunState:
         counts = {kind: int(v) if v is not None else 0 for kind, v in zip(kinds, values)}
         if not first:
             return counts
-        return counts, {_s(f): _s(v) for f, v in (texts or {}).items()}
+        return counts, {as_str(f): as_str(v) for f, v in (texts or {}).items()}
 
     def _g_get_version(self) -> OpGen:
         v = yield Call.one("get policy version", self.keys.version, Cmd("get", (self.keys.version,)), idempotent=True)
@@ -102,7 +103,7 @@ class RunState:
         key = self.keys.restart_requests()
         out = yield Call("take the restart requests", key, (Cmd("lrange", (key, 0, -1)), Cmd("delete", (key,))),
                          idempotent=False, transaction=True)
-        return [json.loads(_s(x)) for x in out[0]]
+        return [json.loads(as_str(x)) for x in out[0]]
 
     def _g_push_in_flight(self, value: dict | None) -> OpGen:
         key = self.keys.push_in_flight()
@@ -112,7 +113,7 @@ class RunState:
     def _g_read_push_in_flight(self) -> OpGen:
         key = self.keys.push_in_flight()
         v = yield Call.one("read the weight push under way", key, Cmd("get", (key,)), idempotent=True)
-        return json.loads(_s(v)) if v is not None else None
+        return json.loads(as_str(v)) if v is not None else None
 
     def _g_rollout_cursor(self, worker: int) -> OpGen:
         key = self.keys.rollout_cursor(worker)

@@ -45,7 +45,7 @@ NOT_LOGGED = frozenset(f.row for f in row_fields() if f.row is not None and f.tr
 # row key prefix → tracker namespace: the flattened dict fields (`val/…` keeps its name,
 # `reward_failures/<kind>` goes under rollout/), then keys already namespaced
 PREFIX_MAP: tuple[tuple[str, str], ...] = tuple(
-    ("val/" if f.name == "val" else f"{f.name}/", f.tracker) for f in row_fields()
+    (f"{f.name}/", f.tracker) for f in row_fields()
     if f.tracker is not None and f.tracker.endswith("/")) + (
     ("buffer/", "buffer/"),
     ("perf/", "perf/"),
