@@ -918,4 +918,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from areal_like.api.process import exit_now
+
     main()
+    exit_now(0)  # the site is cleaned up: skip the interpreter's finalization (api/process.py)

@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import os
 import signal
-import sys
 
 from areal_like import metrics as M
 from areal_like.api.config import decode_config
@@ -403,4 +402,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from areal_like.api.process import exit_now
+
+    exit_now(main())  # everything is closed: skip the interpreter's finalization (api/process.py)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from areal_like.api.process import exit_now
 from areal_like.api.trajectory import Trajectory, TrajectoryGroup
 
 
@@ -70,14 +70,9 @@ def exit_rank(code: int = 0) -> NoReturn:
     collective's Python-held tensor needs the GIL; once the interpreter is finalizing, CPython ends
     such a thread inside a C++ destructor: "terminate called without an active exception", SIGABRT,
     after a rank that did all its work — at random, about 1 end in 20 of the vocab-parallel test, and
-    the launcher would take such a learner rank for a crashed one and restart the pool."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
-            pass
-    os._exit(code)
+    the launcher would take such a learner rank for a crashed one and restart the pool. (The other
+    roles end the same way, for speed alone: `areal_like.api.process`.)"""
+    exit_now(code)
 
 
 def leave_pool() -> NoReturn:
