@@ -19,11 +19,12 @@
                                           size and sha256 of every file above (the manifest) — written
                                           last: a directory without it is never a checkpoint
         hf/                               with train.export_hf: a complete HF model dir of the actor
-                                          (LoRA: a peft adapter dir; hf_merged/ with train.export_merged:
-                                          the model with the adapter merged in)
-    With LoRA (`model.lora_rank` > 0) the actor's file is the adapter alone, as peft writes it
-    (adapter_config.json + adapter_model.safetensors, the fp32 master), its AdamW state the adapter's:
-    the frozen base is model.path, never copied.
+                                          (or its converter's own export; hf_merged/ with
+                                          train.export_merged: the model as its unconverted architecture)
+    A model whose converter brings its own state format (`ModelConverter.own_format`, learner/converters.py)
+    is saved, loaded, exported and pushed by that converter instead (its files in place of the model's,
+    its AdamW state its trainable subset's); every converter kind with a `record_key` has that key in
+    meta.json (its record, or null), and judges on resume whether this run can take the checkpoint.
     <checkpoint_dir>/latest             names the newest complete checkpoint; replaced atomically after it
 
 `resume_mode`: "auto" resumes from `latest` if there is one (a fresh run otherwise), "disable" never
@@ -61,8 +62,6 @@ import torch
 import torch.distributed as dist
 
 from areal_like.api.config import TrainConfig
-from areal_like.learner.lora import MergedWeights
-from areal_like.weights.adapter import read_adapter_tensors, write_adapter_dir
 from areal_like.weights.disk import SafetensorsDir, write_safetensors_shards
 
 log = logging.getLogger(__name__)
@@ -262,7 +261,7 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
             "model_path": trainer.model_path, "critic": trainer.critic is not None, "extra": extra or {},
             "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype,
             "dp_sharding": trainer.dp_sharding, "optimizer_state": _with_optimizer_state(trainer),
-            "lora": _lora_config(trainer)}
+            **trainer.actor.conversion.records()}
     meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
     if trainer.is_rank0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -270,10 +269,8 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
     trainer.barrier()  # the tmp dir exists
     # Full tensors, streamed from the shards one file at a time (rank 0 writes; the others join the gathers)
     for model, prefix in ((trainer.actor, "model"), (trainer.critic, "critic")):
-        if model is not None and prefix == "model" and trainer.lora is not None:
-            # LoRA: the adapter alone (the master, fp32), as a peft adapter dir; the base stays model.path
-            write_adapter_dir(model.weights(adapter=True), tmp, meta["lora"], write=trainer.is_rank0)
-        elif model is not None:  # the master too (fp32 with a 16-bit model.dtype)
+        # a converter's own format (its files), else the full model: the master too (fp32 with a 16-bit model.dtype)
+        if model is not None and not model.conversion.save(model, tmp, write=trainer.is_rank0):
             write_safetensors_shards(model.weights(), tmp, shard_bytes=HF_SHARD_BYTES, write=trainer.is_rank0,
                                      prefix=prefix)
     _save_optimizer(trainer, tmp)
@@ -327,22 +324,11 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         log.warning("checkpoint %s: its master weights and AdamW state are %s; this run keeps them in %s "
                     "(train.master_dtype): converted on load", path,
                     saved_master or "in its model.dtype (written before train.master_dtype)", trainer.cfg.master_dtype)
-    saved_lora = meta.get("lora")
-    if bool(saved_lora) != (trainer.lora is not None):
-        raise ValueError(f"checkpoint {path} {'holds a LoRA adapter' if saved_lora else 'holds a full model'} but this "
-                         f"run {'trains LoRA' if trainer.lora is not None else 'fine-tunes the full model'}: resume "
-                         f"with model.lora_rank={saved_lora['r'] if saved_lora else 0}, or start a new run "
-                         f"(train.resume_mode=disable)")
-    if saved_lora and int(saved_lora["r"]) != trainer.lora.rank:
-        raise ValueError(f"checkpoint {path} holds a rank-{saved_lora['r']} adapter, this run model.lora_rank="
-                         f"{trainer.lora.rank}: resume with model.lora_rank={saved_lora['r']}")
+    trainer.actor.conversion.check_resume(meta, path)  # the converters' records against this run's
     # read tensor by tensor on the host (one full tensor in memory at a time), each rank keeping its shard
-    if saved_lora:
-        trainer.actor.load_full(read_adapter_tensors(path, "checkpoint"), path, adapter=True)
-    else:
-        trainer.actor.load_full(SafetensorsDir(path, "model"), path)
-    if trainer.critic is not None:
-        trainer.critic.load_full(SafetensorsDir(path, "critic"), path)
+    for model, prefix in ((trainer.actor, "model"), (trainer.critic, "critic")):
+        if model is not None and not model.conversion.load(model, path):  # its converter's format, or the full model
+            model.load_full(SafetensorsDir(path, prefix), path)
     own = _rank_file(path, trainer.layout.rank)
     # a rank the writing pool did not have: rank 0's counters and RNG (the same on every rank)
     state = torch.load(own if os.path.isfile(own) else _rank_file(path, 0), map_location=trainer.device,
@@ -366,30 +352,22 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
     return dict(meta.get("extra", {}))
 
 
-def _lora_config(trainer) -> dict | None:
-    from areal_like.weights.adapter import adapter_config
-
-    return adapter_config(trainer.lora, trainer.model_path) if trainer.lora is not None else None
-
-
 def export_hf(trainer, out_dir: str, *, merged: bool = False) -> str:
     """A complete HF model dir of the actor (config, safetensors shards in `model.dtype`, tokenizer
     files), written by rank 0 from the shards one file at a time (`weights.disk.write_safetensors_shards`:
     rank 0 never holds the whole model). Collective: every rank calls it.
 
-    With LoRA: a peft adapter dir (adapter_config.json + adapter_model.safetensors, in `model.dtype`;
-    `PeftModel.from_pretrained(base, out_dir)` loads it) plus the tokenizer files; `merged`: the whole
-    model with the adapter merged into its weights instead (`learner.lora.MergedWeights`)."""
-    if trainer.lora is not None and not merged:
-        write_adapter_dir(trainer.actor.weights(adapter=True), out_dir, _lora_config(trainer), dtype=trainer.dtype,
-                          write=trainer.is_rank0)
-    else:
+    An actor whose converter has its own format: that converter's export (`ModelConverter.export`, in
+    `model.dtype`) plus the tokenizer files; `merged`: the whole model as its unconverted architecture
+    instead (`ModelConverter.plain_weights`)."""
+    actor = trainer.actor
+    if merged or not actor.conversion.export(actor, out_dir, dtype=trainer.dtype, write=trainer.is_rank0):
         if trainer.is_rank0:
             os.makedirs(out_dir, exist_ok=True)
             trainer.config.save_pretrained(out_dir)
         # the master: written in model.dtype, the model's own dtype
-        src = MergedWeights(trainer.actor, trainer.lora.scaling) if trainer.lora is not None else trainer.actor.weights()
-        write_safetensors_shards(src, out_dir, dtype=trainer.dtype, shard_bytes=HF_SHARD_BYTES, write=trainer.is_rank0)
+        write_safetensors_shards(actor.conversion.plain_weights(actor), out_dir, dtype=trainer.dtype,
+                                 shard_bytes=HF_SHARD_BYTES, write=trainer.is_rank0)
     if trainer.is_rank0:
         for name in os.listdir(trainer.model_path):
             src = os.path.join(trainer.model_path, name)
@@ -427,7 +405,7 @@ class CheckpointManager:
         self.resume_mode = str(resume_mode)  # a step number arrives as an int from YAML/overrides
         self.keep = keep
         self.export_hf = export_hf
-        self.export_merged = export_merged  # LoRA: also the merged model (hf_merged/)
+        self.export_merged = export_merged  # a converter's own export: also the merged model (hf_merged/)
         self.rollback = False  # set by `resume`
 
     @classmethod
@@ -610,7 +588,7 @@ class CheckpointManager:
         save_checkpoint(trainer, path, extra)  # collective; atomic rename inside
         if self.export_hf:
             export_hf(trainer, os.path.join(path, "hf"))
-        if self.export_merged and trainer.lora is not None:
+        if self.export_merged and trainer.actor.conversion.format is not None:
             export_hf(trainer, os.path.join(path, "hf_merged"), merged=True)
         if trainer.is_rank0:
             tmp = os.path.join(self.root, "latest.tmp")

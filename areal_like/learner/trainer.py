@@ -23,9 +23,12 @@ With one optimizer step per train_step the weights being differentiated *are* th
 The actor, the critic (a value head on the same architecture) and the frozen reference share the
 layout: `learner/model.py` builds each (load → convert → parallelize) into a `ShardedModel` — this
 rank's pipeline stage, TP-sharded and, with `train.dp_sharding=full|grad_op` (FSDP2), dp-sharded,
-with its own optimizer and gradient reduction. Only the last pipeline stage computes losses,
-advantages and the outputs of forward-only passes; the others move activations. Under FSDP every dp
-rank runs as many micro-batches as the others (padding batches fill the shorter ones).
+with its own optimizer and gradient reduction. The converters (learner/converters.py: the critic's
+`ValueHead`, the actor's `LoraConverter` with `model.lora_rank` > 0) decide what the step asks of
+them: a context for the differentiated forward, the frozen base as the KL reference, what a push
+reads. Only the last pipeline stage computes losses, advantages and the outputs of forward-only
+passes; the others move activations. Under FSDP every dp rank runs as many micro-batches as the
+others (padding batches fill the shorter ones).
 
 Memory: no [tokens × vocab] logits. A language model's last stage returns its final hidden states;
 logprobs (and the entropy statistic) run `lm_head` on `train.logits_chunk_tokens` loss positions at
@@ -81,9 +84,10 @@ from areal_like.learner.batching import (
     step_skip_reason,
     unpack_rows,
 )
+from areal_like.learner.converters import ValueHead
 from areal_like.learner.logprobs import chunked_token_logprobs, fp32_lm_head as use_fp32_lm_head
-from areal_like.learner.lora import LoraSettings, adapters_disabled, dropout_active
-from areal_like.learner.model import build_model, effective_dp_sharding, value_head
+from areal_like.learner.lora import LoraConverter, LoraSettings
+from areal_like.learner.model import build_model, effective_dp_sharding
 from areal_like.learner.parallel.layout import LayoutSpec, ParallelLayout
 from areal_like.learner.parallel.parallelize import build_pipeline_schedule
 from areal_like.learner.parallel.sharded_model import ShardedModel
@@ -168,24 +172,24 @@ class Trainer:
         build = dict(train_cfg=train_cfg, compute_dtype=self.dtype, master_dtype=DTYPES[md], device=self.device,
                      dp_sharding=self.dp_sharding, checkpoint_layers=self.gradient_checkpointing)
         self.lora = lora  # model.lora_rank > 0: the actor trains a LoRA adapter (learner/lora.py)
-        self.actor = build_model(model_path, "actor", layout, param_offload=train_cfg.param_offload,
-                                 optimizer_offload=train_cfg.optimizer_offload, lora=lora, seed=train_cfg.seed,
-                                 **build)
+        adapter = () if lora is None else (LoraConverter(lora, base_model=model_path, seed=train_cfg.seed),)
+        self.actor = build_model(model_path, "actor", layout, converters=adapter, param_offload=train_cfg.param_offload,
+                                 optimizer_offload=train_cfg.optimizer_offload, **build)
         self.config = self.actor.config
         self.fp32_lm_head = bool(fp32_lm_head)
         self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         self.critic: ShardedModel | None = None
         c = self.critic_cfg
         if self.alg.adv_estimator == "gae":
-            self.critic = build_model(c.path or model_path, "critic", layout, converters=(value_head,),
+            self.critic = build_model(c.path or model_path, "critic", layout, converters=(ValueHead(),),
                                       param_offload=c.param_offload, optimizer_offload=c.optimizer_offload, **build)
         self.ref: ShardedModel | None = None
         r = ref or RefConfig()
-        # With LoRA the reference is the actor's own base (its adapter disabled), unless ref.path names
-        # another model: no second copy of the weights (verl's way)
-        self.ref_is_base = bool(lora is not None and (self.alg.kl_loss_on or self.alg.kl_reward_on)
-                                and r.path in (None, model_path))
-        if (self.alg.kl_loss_on or self.alg.kl_reward_on) and not self.ref_is_base:
+        kl = self.alg.kl_loss_on or self.alg.kl_reward_on
+        # An actor with a frozen base (LoRA: its adapter disabled) is its own KL reference, unless ref.path
+        # names another model: no second copy of the weights (verl's way)
+        self.ref_is_base = bool(kl and self.actor.conversion.has_frozen_base and r.path in (None, model_path))
+        if kl and not self.ref_is_base:
             self.ref = build_model(r.path or model_path, "reference", layout, param_offload=r.param_offload, **build)
         if self.fp32_lm_head:  # model.fp32_lm_head: logits in fp32 (actor and reference; the critic has no LM head)
             for m in (self.actor, self.ref):
@@ -242,16 +246,8 @@ class Trainer:
 
     @property
     def lora_policy(self) -> str:
-        """What `model.lora_*` made of the actor (logged once by rank 0); "" without LoRA."""
-        lo = self.lora
-        if lo is None:
-            return ""
-        n_train = sum(p.numel() for p in self.actor.opt_params)
-        return (f"rank {lo.rank}, alpha {lo.alpha:g} (scale {lo.scaling:g}) on {','.join(lo.target_modules)}; "
-                f"this rank trains {n_train} adapter parameters, the base frozen"
-                + (f"; started from {lo.path}" if lo.path else "")
-                + ("; the KL reference is the base with the adapter disabled (no reference copy)"
-                   if self.ref_is_base else ""))
+        """What the actor's converters (`model.lora_*`) made of it (logged once by rank 0); "" without LoRA."""
+        return self.actor.conversion.describe(self.actor, base_is_reference=self.ref_is_base)
 
     @property
     def has_ref(self) -> bool:
@@ -505,7 +501,7 @@ class Trainer:
                           channels: dict[int, SampleArrays], loss_fn) -> None:
         """Accumulate this rank's share of ∇L into `.grad` (before the dp all-reduce; FSDP
         reduce-scatters each micro-batch's as its backward runs)."""
-        with dropout_active(shard.stage_module, self.lora.dropout if self.lora is not None else 0.0):
+        with shard.conversion.training(shard.stage_module):  # LoRA: its dropout
             self._forward_backward_inner(shard, samples, rows, channels, loss_fn)
 
     def _forward_backward_inner(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int],
@@ -629,7 +625,7 @@ class Trainer:
         if self.ref is not None:
             channels[CH_REF] = self._forward_logprobs(self.ref, samples, mine)
         elif self.ref_is_base:
-            with adapters_disabled(self.actor.stage_module):
+            with self.actor.conversion.frozen_base(self.actor.stage_module):
                 channels[CH_REF] = self._forward_logprobs(self.actor, samples, mine)
         if self.critic is not None:
             channels[CH_OLD_VALUE] = self._forward_values(self.critic, samples, mine)
@@ -720,16 +716,9 @@ class Trainer:
         order; parameters from the optimizer's master, fp32 with a 16-bit `model.dtype`: the push casts
         them once, to `server.dtype`). Rank 0 reads it one bucket at a time, gathering each from the
         shards; the other ranks join those gathers from their `leader_ready` wait (`serve_command`).
-        It reads the live weights: push it before the next `train_step`.
-
-        With LoRA: the adapter's tensors only, with its peft config (`weights.adapter.AdapterWeights`):
-        the servers keep their base and load the adapter."""
-        if self.lora is not None:
-            from areal_like.weights.adapter import AdapterWeights, adapter_config
-
-            return AdapterWeights(self.actor.weights(announce=self.layout.leader_command, adapter=True),
-                                  adapter_config(self.lora, self.model_path))
-        return self.actor.weights(announce=self.layout.leader_command)
+        It reads the live weights: push it before the next `train_step`. A converter with its own format
+        says what is pushed instead (LoRA: the adapter with its peft config; the servers keep their base)."""
+        return self.actor.conversion.weight_source(self.actor, self.layout.leader_command)
 
     # ---- co-located mode -----------------------------------------------------------------------------
     def _models(self) -> list[ShardedModel]:

@@ -5,6 +5,7 @@ here, afterwards, in this fixed order (as torchtitan; `learner/model.py` calls t
 
     1. pipeline split   `split_pipeline_stage`  — keep only this stage's layers (HF names kept)
     2. tensor parallel  `apply_tensor_parallel` — DTensor plans on the attention/MLP projections
+                        (rewritten by the model's converters for the modules they wrapped: `tp_plan`)
     3. activation checkpointing `apply_activation_checkpointing` — per decoder layer (opt-in)
     4. data parallel, last, because it must see the final (TP-sharded, stage-local) parameters:
          `train.dp_sharding=full|grad_op`  `apply_fsdp` — FSDP2 `fully_shard` of each decoder layer,
@@ -27,12 +28,17 @@ What this module does not do: no data, no loss, no optimizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.vocab_parallel import apply_vocab_parallel
+
+# A converter's rewrite of a decoder layer's plan ({submodule: ParallelStyle}, the layer's module names)
+TPPlanHook = Callable[[dict, list[str]], dict]
 
 
 # ---- 1. pipeline parallel -----------------------------------------------------------------------
@@ -171,20 +177,22 @@ def check_tensor_parallel(config, tp: int) -> None:
         raise ValueError(f"tensor parallel t{tp} needs intermediate_size ({config.intermediate_size}) divisible by {tp}")
 
 
-def apply_tensor_parallel(stage_module: PipelineStageModule, layout: ParallelLayout) -> None:
-    """Shard this stage's decoder layers over the tp sub-mesh (in place); no-op for t1."""
+def apply_tensor_parallel(stage_module: PipelineStageModule, layout: ParallelLayout,
+                          tp_plan: TPPlanHook | None = None) -> None:
+    """Shard this stage's decoder layers over the tp sub-mesh (in place); no-op for t1. `tp_plan`: the
+    model's converters rewrite each layer's plan for the modules they wrapped
+    (`ModelConverter.tensor_parallel_plan`, learner/converters.py)."""
     if layout.tp == 1:
         return
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from areal_like.learner.lora import tensor_parallel_plan
 
     check_tensor_parallel(stage_module.hf.config, layout.tp)
     tp_mesh = layout.submesh("tp")
     for i in stage_module.layer_ids:
         layer = stage_module.hf.model.layers[i]
-        # a projection with a LoRA adapter splits its base and one adapter matrix (learner/lora.py)
-        plan = tensor_parallel_plan([n for n, _ in layer.named_modules()], _TP_PLAN_COLWISE, _TP_PLAN_ROWWISE)
+        plan = {**{n: ColwiseParallel() for n in _TP_PLAN_COLWISE}, **{n: RowwiseParallel() for n in _TP_PLAN_ROWWISE}}
+        if tp_plan is not None:
+            plan = tp_plan(plan, [n for n, _ in layer.named_modules()])
         parallelize_module(layer, tp_mesh, plan)
 
 
@@ -286,14 +294,16 @@ def apply_fsdp(stage: PipelineStageModule, layout: ParallelLayout, *, mode: str,
 
 def parallelize_model(hf_model: nn.Module, layout: ParallelLayout, *, checkpoint_layers: bool = False,
                       dp_sharding: str = "none", compute_dtype: torch.dtype | None = None,
-                      reduce_dtype: torch.dtype | None = None, offload: bool = False) -> PipelineStageModule:
+                      reduce_dtype: torch.dtype | None = None, offload: bool = False,
+                      tp_plan: TPPlanHook | None = None) -> PipelineStageModule:
     """The fixed order: pipeline split → tensor parallel → activation checkpointing → data parallel.
 
     Returns this rank's stage module. With `dp_sharding` full/grad_op the stage is FSDP-sharded here;
     with `none` the data-parallel reducer is built by `ShardedModel` over the stage's final parameters.
+    `tp_plan`: the model's converters' rewrite of each decoder layer's TP plan (`apply_tensor_parallel`).
     """
     stage = split_pipeline_stage(hf_model, layout)  # 1
-    apply_tensor_parallel(stage, layout)  # 2
+    apply_tensor_parallel(stage, layout, tp_plan)  # 2
     apply_activation_checkpointing(stage, checkpoint_layers)  # 3
     if dp_sharding != "none":  # 4
         dtype = compute_dtype or stage.compute_dtype

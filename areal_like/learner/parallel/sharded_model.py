@@ -25,7 +25,9 @@ its gradient, m and v) plus the all-gathered bf16 parameters of the layer runnin
 
 Every method that moves tensors is collective over the pool: call it on every rank, in the same
 order. Full-model names, shapes and stages (`full_meta`, recorded before the pipeline split) keep
-push order (what `save_pretrained` writes), whatever the layout.
+push order (what `save_pretrained` writes), whatever the layout. Names are the model's canonical
+ones (its `Conversion`'s `canonical_name`, learner/converters.py); a part of the state — e.g. the
+trainable subset a converter's key filter names — is read and loaded through a `keys` filter.
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from areal_like.learner.lora import canonical_name
-from areal_like.weights.adapter import is_lora_name
+from areal_like.learner.converters import Conversion
 from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.parallelize import (
     DataParallelReducer,
@@ -52,9 +53,10 @@ DP_SHARDING = ("full", "grad_op", "none")
 FullMeta = list[tuple[str, tuple[int, ...], torch.dtype, int]]  # (HF name, shape, dtype, pipeline stage)
 
 
-def full_meta_of(hf_model: nn.Module, pp: int) -> FullMeta:
-    """Names, shapes, dtypes and pipeline stages of every parameter and persistent buffer of the
-    whole (unsplit) model, in `named_parameters` order then buffers — what the push sends."""
+def full_meta_of(hf_model: nn.Module, pp: int, canonical_name: Callable[[str], str] = lambda n: n) -> FullMeta:
+    """Names (`canonical_name`'s: the converters'), shapes, dtypes and pipeline stages of every parameter
+    and persistent buffer of the whole (unsplit) model, in `named_parameters` order then buffers — what
+    the push sends."""
     persistent = set(hf_model.state_dict().keys())
     full = [(canonical_name(n), p) for n, p in hf_model.named_parameters()]
     full += [(canonical_name(n), b) for n, b in hf_model.named_buffers() if n in persistent]
@@ -153,13 +155,17 @@ def load_full_into(local: list[tuple[str, torch.Tensor]], full: Mapping[str, tor
 
 class ShardedModel:
     """One model of the trainer on this rank: its pipeline stage (TP- and, with `dp_sharding`
-    full/grad_op, dp-sharded); optimizer if trainable. See the module docstring."""
+    full/grad_op, dp-sharded); optimizer if trainable. See the module docstring. `conversion`: the
+    converters the model was built with (its names, trainable subset and state format)."""
 
     def __init__(self, stage_module: PipelineStageModule, full_meta: FullMeta, param_names: set[str],
                  layout: ParallelLayout, *, trainable: bool, out_dim: int | None, train_cfg, compute_dtype: torch.dtype,
                  master_dtype: torch.dtype, dp_sharding: str, role: str, device: torch.device | None = None,
-                 param_offload: bool = False, optimizer_offload: bool = False) -> None:
+                 param_offload: bool = False, optimizer_offload: bool = False,
+                 conversion: Conversion | None = None) -> None:
         self.layout = layout
+        self.conversion = conversion or Conversion()
+        canonical_name = self.conversion.canonical_name
         self.device = device or torch.device("cpu")  # where compute and collectives run
         self.optimizer_offload = optimizer_offload
         self.param_offload = param_offload  # FSDP keeps the shards in host memory (parallelize.apply_fsdp)
@@ -412,10 +418,10 @@ class ShardedModel:
         for tests and small models; pushes, exports and checkpoints stream `weights()`. Collective."""
         local = self.state_tensors() if local is None else local
         out = []
-        trainable = self.lora
+        trains = self.conversion.trainable_keys
         for i, (name, *_) in enumerate(self.state_meta):
-            if params_only and (name not in self.param_names or (trainable and not is_lora_name(name))):
-                continue  # (gradients: a LoRA model's frozen base has none)
+            if params_only and (name not in self.param_names or (trains is not None and not trains(name))):
+                continue  # (gradients: a frozen rest, outside the converters' trainable subset, has none)
             t = self.gather_one(i, local)
             if t is not None:
                 out.append((name, t))
@@ -427,23 +433,18 @@ class ShardedModel:
 
         return self.layout.pp > 1 or any(isinstance(t, DTensor) for _, t in self.local)
 
-    def weights(self, announce: Callable[[str], None] | None = None, *, adapter: bool = False) -> GatheredWeights:
+    def weights(self, announce: Callable[[str], None] | None = None, *,
+                keys: Callable[[str], bool] | None = None) -> GatheredWeights:
         """A `WeightSource` of the full state (`weights.source`): what a push or an export reads.
-        `adapter`: the LoRA adapter's tensors only (`model.lora_rank` > 0)."""
-        return GatheredWeights(self, announce, only=self.adapter_indices() if adapter else None)
+        `keys`: the tensors whose names it accepts only (e.g. a converter's trainable subset)."""
+        only = None if keys is None else [i for i, (n, *_) in enumerate(self.state_meta) if keys(n)]
+        return GatheredWeights(self, announce, only=only)
 
-    @property
-    def lora(self) -> bool:
-        """Whether this model carries a LoRA adapter (its only trainable tensors)."""
-        return any(is_lora_name(n) for n, *_ in self.full_meta)
-
-    def adapter_indices(self) -> list[int]:
-        return [i for i, (n, *_) in enumerate(self.state_meta) if is_lora_name(n)]
-
-    def load_full(self, full: Mapping[str, torch.Tensor], where: str, *, adapter: bool = False) -> None:
+    def load_full(self, full: Mapping[str, torch.Tensor], where: str, *,
+                  keys: Callable[[str], bool] | None = None) -> None:
         """Copy full (unsharded) tensors into this rank's shard of every local tensor (and the master);
-        `adapter`: the LoRA adapter's tensors only (a LoRA checkpoint holds no base)."""
-        local = [(n, t) for n, t in self.local if is_lora_name(n)] if adapter else self.local
+        `keys`: the local tensors whose names it accepts only (`full` holds no others)."""
+        local = self.local if keys is None else [(n, t) for n, t in self.local if keys(n)]
         load_full_into(local, full, where, tied=self.tied, masters=self.master_by_name)
 
     # ---- optimizer state by name (sharded checkpoints: torch.distributed.checkpoint) ------------------
@@ -524,7 +525,7 @@ class GatheredWeights:
         # opens a bucket: the shards are cast before the all-gather and the stage transfer); None = as held
         self.wire_dtype = wire_dtype
         self.announce = announce
-        # `only`: a subset of the state (indices of `state_meta`, e.g. a LoRA adapter's); `open` takes
+        # `only`: a subset of the state (indices of `state_meta`, e.g. a converter's trainable subset); `open` takes
         # indices into it, announced to the followers as state indices
         self.index = list(range(len(model.state_meta))) if only is None else list(only)
         self.meta = [model.state_meta[i][:3] for i in self.index]
