@@ -55,7 +55,8 @@ Drops for other reasons (malformed, duplicate, already trained) are not replaced
 
 Who calls this module: `rollout/gate.py` (the worker's gate client: TRY_ACQUIRE, GATE_STATE and the
 slot scripts), `buffer/replay_buffer.py` (`filter_stale` = `split_stale` + the ACK script below),
-`learner/main.py` (`StalenessPolicy`: limit, stale policy, `StepTake`; `trained_staleness` for metrics) and
+`learner/feed.py` (`StalenessPolicy`: limit, stale policy, `StepTake`), `learner/reporter.py`
+(`trained_staleness` for metrics) and
 `learner/trainer.py` (`max_trained_staleness` for its stats). Nothing else computes staleness
 (tests/unit/test_staleness.py checks the package for it).
 """

@@ -19,8 +19,8 @@ Transports: `WeightPusher` (bucketed torch.distributed broadcast; NCCL to SGLang
 `DiskWeightPusher` (HF safetensors dirs + /update_weights_from_disk), and for co-located runs
 `SharedMemoryWeightPusher` (our servers: shared-memory segments + /update_weights_from_tensor) and
 `CudaIpcWeightPusher` (SGLang: CUDA-IPC handles + /update_weights_from_tensor), all `ServerAdmin`s, picked by
-`weights.make_weight_pusher` from `weights.mode`. The learner's `Coordinator` is written against this
-Protocol, not a class.
+`weights.make_weight_pusher` from `weights.mode`. The learner's weight sync and serving phase
+(learner/weight_sync.py, learner/serving.py) are written against this Protocol, not a class.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class WeightPusher(ServerAdmin):
         except BaseException:
             # Servers whose call had not answered are still inside the collective (or about to enter it):
             # with NCCL, SGLang's side of the group has torch's default 30-minute timeout and no route to
-            # end it — the learner asks the launcher to restart them (`stuck`, learner/main.py).
+            # end it — the learner asks the launcher to restart them (`stuck`, learner/weight_sync.py).
             self.stuck = [t.get_name() for t in http if not t.done()]  # `_send` names each call by its server
             for t in http:
                 t.cancel()

@@ -229,7 +229,8 @@ _OLD_SITES = {
                                "    return 0 if mv < 0 else current_version - mv\n",
     "replay_buffer.split_stale": "for e in entries:\n"
                                  "    (drop if staleness(e[1], current_version) > max_staleness else keep).append(e)\n",
-    "learner/main.py report": "staleness = [version - 1 - g.min_version for g in batch.groups if g.min_version >= 0]\n",
+    "learner/reporter.py report": "staleness = [version - 1 - g.min_version for g in batch.groups "
+                                  "if g.min_version >= 0]\n",
     "learner/trainer.py version_lag_max": "lag = (version - min(min_versions)) if min_versions else -1\n",
 }
 
