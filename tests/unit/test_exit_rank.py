@@ -1,5 +1,6 @@
 """`exit_rank` — how a learner pool rank's process ends (os._exit, no interpreter finalization):
-the exit code is the one given, and what the rank printed or logged is not lost on the way out."""
+the exit code is the one given, and what the rank printed or logged is not lost on the way out.
+It is `areal_like.api.process.exit_now`, which every role (server, rollout worker, learner) ends with."""
 
 from __future__ import annotations
 
