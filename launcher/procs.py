@@ -20,7 +20,7 @@ from areal_like.api.net import free_port
 @dataclass
 class Role:
     name: str  # "server0", "learner", "rollout1", …
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # or what stands for one: launcher.forkserver.ForkedProcess, Ray's actor handle
     log_path: str
     critical: bool = True  # its death (before the run is done) stops the run
     argv: list[str] = field(default_factory=list)  # how it was started: a restart starts it the same way
@@ -56,6 +56,8 @@ class ProcessTable:
     """`launcher.cpu_affinity` parsed (`cpu_sets`): role kind → CPUs; empty = no pinning."""
     ports_handed: set[int] = field(default_factory=set)
     """Every port `free_port` gave a role of this run (see there)."""
+    forkserver: object = None
+    """`launcher.forkserver.ForkServer` once `open_forkserver` started it: areal_like roles are forked there."""
 
     # ---- where a role runs (one node: this machine) -----------------------------------------------
     def host(self, name: str) -> str:
@@ -92,8 +94,19 @@ class ProcessTable:
     def check_shared_run_dir(self) -> None:
         """One machine: the run directory is local."""
 
+    def open_forkserver(self, env: dict[str, str]) -> None:
+        """Start the run's fork server (`launcher.forkserver`) with environment `env`; it imports while
+        the launcher goes on. Every later `start` of an areal_like role is a fork of it."""
+        from launcher.forkserver import ForkServer
+
+        os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+        self.forkserver = ForkServer(env, os.path.join(self.run_dir, "logs", "forkserver.log"))
+
     def close(self) -> None:
-        """Nothing held beyond the processes (ended by the run)."""
+        """End the fork server, if any (the roles themselves were ended by the run)."""
+        if self.forkserver is not None:
+            self.forkserver.close()
+            self.forkserver = None
 
     # ---- CPU pinning (launcher.cpu_affinity) --------------------------------------------------------
     def cpus(self, name: str) -> set[int] | None:
@@ -105,13 +118,18 @@ class ProcessTable:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         cpus = self.cpus(name)
-        log = open(log_path, "ab", buffering=0)
-        proc = subprocess.Popen(
-            pinned_argv(argv, cpus) if cpus else argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # own process group: we end the role and its children together
-        )
-        log.close()
+        from launcher.forkserver import forkable
+
+        if self.forkserver is not None and (forkable(argv) or "").startswith("areal_like."):
+            proc = self.forkserver.spawn(argv, env, log_path, cpus)  # same session, log, env and CPUs
+        else:
+            log = open(log_path, "ab", buffering=0)
+            proc = subprocess.Popen(
+                pinned_argv(argv, cpus) if cpus else argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group: we end the role and its children together
+            )
+            log.close()
         role = Role(name, proc, log_path, critical, list(argv), dict(env))
         self.roles.append(role)
         self._record()

@@ -621,6 +621,10 @@ class Run:
                 from areal_like.api.config import encode_config
 
                 f.write(encode_config(self.cfg))
+            if self.cfg.launcher.forkserver and self.procs.backend == "local":
+                # it imports while Redis starts; its environment is the servers' (no Redis secret): it is
+                # what /proc/<pid>/environ shows of every role forked from it
+                self.procs.open_forkserver(self._server_env(self._child_env("")))
             redis_url = self._redis_url = self._start_redis()
             env = self._child_env(redis_url)
             sglang = self.alloc.generation.backend == "sglang"
@@ -698,7 +702,7 @@ class Run:
                 print(f"[launcher] this start failed before the learner resumed: the previous summary.json and "
                       f"report of {self.run_dir} are kept unchanged; this attempt's summary: {summary_path}",
                       file=sys.stderr, flush=True)
-            else:
+            elif self.cfg.metrics.report:
                 try:  # plots of the run, finished or cut off (`launcher report` makes it again at any time)
                     from areal_like.metrics.report import write_report
 

@@ -1,4 +1,16 @@
 
+# ---- ranks of multi-process tests: forked from a fork server that imported torch once ----------------
+# `mp.start_processes(…, start_method=RANK_START)` / `mp.get_context(RANK_START)`: Python's forkserver (one
+# per test process, started at first use) imports these once; each rank is then a fork of it instead of a
+# fresh interpreter importing torch and transformers again (~3.5 CPU-s a rank, dozens of ranks a run).
+# A rank still gets a clean process: the fork server never runs a test's code. Ranks whose glibc or
+# memory a test measures (test_sharded_memory) keep "spawn".
+import multiprocessing as _mp
+
+RANK_START = "forkserver"
+_mp.set_forkserver_preload(["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+                            "areal_like.learner.parallel.spawn", "areal_like.learner.trainer"])
+
 # ---- demo cache: `demo:` names resolve under a per-session tmp dir, never the user's ~/.cache ----------
 def pytest_configure(config):
     import os
@@ -63,12 +75,29 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model") / "model"))
 
 
+_SESSION_FORKSERVER = []
+
+
+def session_forkserver():
+    """The launcher's fork server (launcher/forkserver.py) for this test process, started at first use and
+    ended with the session: test fixtures start their embedded servers from it, as `launcher run` does."""
+    if not _SESSION_FORKSERVER:
+        import atexit
+        import os
+
+        from launcher.forkserver import ForkServer
+
+        log = os.path.join(os.environ["AREAL_LIKE_CACHE"], f"forkserver-{os.getpid()}.log")  # pytest_configure's
+        _SESSION_FORKSERVER.append(ForkServer(dict(os.environ), log))
+        atexit.register(_SESSION_FORKSERVER[0].close)
+    return _SESSION_FORKSERVER[0]
+
+
 class EngineServer:
     """An embedded generation server subprocess on 127.0.0.1; stopped by its PID."""
 
     def __init__(self, model_dir: str, log_dir, *args: str, port: int | None = None):
         import os
-        import subprocess
         import sys
 
         self.port = port or free_port()
@@ -76,10 +105,10 @@ class EngineServer:
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false")
         self.log_path = os.path.join(str(log_dir), f"engine-{self.port}.log")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
+        # forked by the session's fork server, as `launcher run` starts its embedded servers
+        self.proc = session_forkserver().spawn(
             [sys.executable, "-m", "areal_like.engine.server", "--model-path", model_dir, "--host", "127.0.0.1",
-             "--port", str(self.port), "--torch-threads", "1", "--random-seed", "0", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+             "--port", str(self.port), "--torch-threads", "1", "--random-seed", "0", *args], env, self.log_path, None)
 
     def wait_ready(self, timeout_s: float = 90.0) -> "EngineServer":
         import time
@@ -149,10 +178,16 @@ def demo_assets(tmp_path_factory) -> tuple[str, str]:
 
 def launcher_spawn(*argv: str, env: dict | None = None):
     """`launcher <argv…>` started from the repository root in its own session (output piped); `env` is
-    added to this process's environment. Finish it with `launcher_finish`."""
+    added to this process's environment. Finish it with `launcher_finish`.
+
+    A `launcher run` here writes no report.html at its end (`metrics.report=false`, ~2.5 CPU-s of
+    matplotlib per run) unless the test names `metrics.report` itself, as the report's tests do."""
     import os
     import subprocess
     import sys
+
+    if argv[:1] == ("run",) and not any(a.startswith("metrics.report=") for a in argv):
+        argv = (*argv, "metrics.report=false")
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return subprocess.Popen([sys.executable, "-m", "launcher", *argv], cwd=root, stdout=subprocess.PIPE,

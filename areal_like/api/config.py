@@ -709,6 +709,12 @@ class LauncherConfig(_Section):
     `launcher plan --model` computes does not fit the GPUs' memory (read from nvidia-smi), naming the
     fullest device, its parts and the knobs that would fit. false = start anyway (the planner is an
     estimate: use it when you measured that your plan fits). Nothing is checked on CPU."""
+    forkserver: bool = True
+    """Local backend: fork this run's embedded servers, learner ranks and rollout workers from one
+    process that imported torch and transformers once (`launcher/forkserver.py`) — about 3.5 CPU-s
+    and seconds less per role start and restart. false = each role is a fresh `python -m` process.
+    SGLang servers, roles of another interpreter (`server.python`) and the Ray backend always start
+    their own processes."""
     cpu_affinity: dict[str, str | int] = msgspec.field(default_factory=dict)
     """CPU pinning per role kind (local backend): `server`, `learner`, `rollout`, `redis` → a CPU list
     as `taskset -c` takes it (`0`, `"0-1,3"`); every process of that kind (all servers, all learner
@@ -801,6 +807,9 @@ class WandbConfig(_Section):
 
 
 class MetricsConfig(_Section):
+    report: bool = True
+    """`launcher run` writes report.html (the run's figures) when it ends — about 2.5 CPU-s of matplotlib
+    on a 2-core machine; false = not at the end (`launcher report --run-dir D` writes it at any time)."""
     prometheus: bool = True
     """Each role serves /metrics on its own port (listed in the run dir's prometheus_targets.json);
     false = no role serves /metrics and no targets are written."""

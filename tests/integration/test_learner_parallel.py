@@ -34,6 +34,7 @@ from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
 from areal_like.learner.lora import LoraSettings
 from areal_like.learner.trainer import Trainer
 from areal_like.weights.source import gather_in, plan_buckets
+from conftest import RANK_START
 
 pytestmark = pytest.mark.integration
 
@@ -221,7 +222,7 @@ def parallel_runs(model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("par"))
     for world in (2, 4):
         mp.start_processes(_rank_main, args=(world, free_port(), model_dir, out), nprocs=world, join=True,
-                           start_method="spawn")
+                           start_method=RANK_START)
     return out
 
 

@@ -2,7 +2,8 @@
 resume_mode=auto: step k+1's loss equals the uninterrupted run's, exactly (CPU, fixed seeds).
 
 Each rank is a real `python -m areal_like.learner.parallel.spawn` process with the usual
-torch.distributed environment — the same way the launcher starts the learner pool."""
+torch.distributed environment, forked by the launcher's fork server — the same way `launcher run` starts
+the learner pool."""
 
 from __future__ import annotations
 
@@ -16,12 +17,26 @@ import pytest
 
 from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
+from launcher.forkserver import ForkServer
 
 pytestmark = pytest.mark.integration
 
 K = 2  # killed after step K; step K+1 is compared
 TRAIN = {"lr": 1e-2, "grad_clip": 1.0, "micro_batch_tokens": 48, "seed": 5, "warmup_steps": 2, "lr_schedule": "cosine",
          "total_steps": 4, "save_freq": 1, "resume_mode": "auto", "collective_timeout_s": 120}
+
+
+_HOST = {}  # "forkserver": the module's fork server (see `pool_host`)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pool_host(tmp_path_factory):
+    """The launcher's own fork server (launcher/forkserver.py), as `launcher run` starts the learner pool
+    with it: torch and transformers imported once for every rank of every pool of this module."""
+    host = ForkServer(dict(os.environ, OMP_NUM_THREADS="1"), str(tmp_path_factory.mktemp("fs") / "forkserver.log"))
+    _HOST["forkserver"] = host
+    yield host
+    host.close()
 
 
 def _run_pool(model: str, layout: str, world: int, out: str, steps: int, die_after: int = 0, **train_over) -> list[int]:
@@ -31,21 +46,22 @@ def _run_pool(model: str, layout: str, world: int, out: str, steps: int, die_aft
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         train = dict(TRAIN, checkpoint_dir=os.path.join(os.path.dirname(out), "ckpt"), **train_over)
-        procs.append(subprocess.Popen(
+        log = f"{out}.rank{rank}.log"
+        procs.append((_HOST["forkserver"].spawn(
             [sys.executable, "-m", "areal_like.learner.parallel.spawn", "--model", model, "--layout", layout,
              "--steps", str(steps), "--out", out, "--train-cfg", json.dumps(train), "--die-after", str(die_after)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            env, log, None), log))
     codes = []
-    for p in procs:
+    for p, log in procs:
         try:
             p.wait(timeout=240)
         except subprocess.TimeoutExpired:
-            for q in procs:
+            for q, _ in procs:
                 q.kill()
             raise
         codes.append(p.returncode)
         if p.returncode not in (0, -signal.SIGKILL):
-            raise AssertionError(f"learner rank exited {p.returncode}: {p.stdout.read().decode()[-3000:]}")
+            raise AssertionError(f"learner rank exited {p.returncode}: {open(log).read()[-3000:]}")
     return codes
 
 

@@ -25,6 +25,7 @@ from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.learner.lora import LoraSettings
 from areal_like.learner.trainer import Trainer
+from conftest import RANK_START
 
 pytestmark = pytest.mark.integration
 
@@ -153,7 +154,7 @@ def fp32_reference(model_dir):
 @pytest.fixture(scope="module")
 def bf16_runs(model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("bf16"))
-    mp.start_processes(_rank_main, args=(4, free_port(), model_dir, out), nprocs=4, join=True, start_method="spawn")
+    mp.start_processes(_rank_main, args=(4, free_port(), model_dir, out), nprocs=4, join=True, start_method=RANK_START)
     return out
 
 

@@ -129,7 +129,11 @@ def live_run(demo_assets):
     model, data = demo_assets
     proc = launcher_spawn("run", "--config", "configs/demo.yaml", "--allocation", "embedded.d1p1t1+d1p1t1",
                           "--run-dir", run_dir, f"model.path={model}", f"data.train_files=[{data}]",
-                          "train.total_steps=100000", env={"AREAL_LIKE_REDIS_PASSWORD": DECOY, "REDIS_PASSWORD": DECOY})
+                          "train.total_steps=100000",
+                          # the server's own environment, read from /proc: a process of its own (a role forked by
+                          # launcher.forkserver shows the fork server's, which holds no Redis secret either)
+                          "launcher.forkserver=false",
+                          env={"AREAL_LIKE_REDIS_PASSWORD": DECOY, "REDIS_PASSWORD": DECOY})
     try:
         metrics = os.path.join(run_dir, "metrics.jsonl")
         deadline = time.monotonic() + 300

@@ -49,7 +49,7 @@ def demo_run(tmp_path_factory, demo_assets) -> Path:
     run_dir = tmp_path_factory.mktemp("report-browser") / "demo-run"
     rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--run-dir", str(run_dir), f"model.path={model}",
                            f"data.train_files=[{data}]", f"train.total_steps={STEPS}", "train.batch_size=2",
-                           "generation.n=4", "train.test_freq=3", timeout=240)
+                           "generation.n=4", "train.test_freq=3", "metrics.report=true", timeout=240)
     assert rc == 0, out[-4000:]
     assert f"[launcher] report: {run_dir / 'report.html'}" in out, out[-4000:]
     return run_dir

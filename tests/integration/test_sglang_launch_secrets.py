@@ -72,6 +72,9 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
                                "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
                                f"server.python={PY}", "server.api_key=user-key-0123456789", "train.total_steps=1",
                                "metrics.prometheus=false",
+                               # the learner's environment is read from /proc: a process of its own (a role
+                               # forked by launcher.forkserver shows the fork server's /proc/<pid>/environ)
+                               "launcher.forkserver=false",
                                *(["model.lora_rank=8", "model.target_modules=[q_proj,v_proj,lm_head]"] if lora else []),
                                env=env, timeout=600)
     finally:

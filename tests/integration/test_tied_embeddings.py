@@ -23,7 +23,7 @@ from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.learner.trainer import Trainer
 
-from conftest import free_port
+from conftest import RANK_START, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -69,4 +69,4 @@ def test_tied_embeddings_stay_tied_and_loaded(tmp_path):
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=ids).logits, ref(input_ids=ids).logits)
-    mp.spawn(_rank_main, args=(2, free_port(), model_dir), nprocs=2, join=True)
+    mp.start_processes(_rank_main, args=(2, free_port(), model_dir), nprocs=2, join=True, start_method=RANK_START)

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_like.learner.parallel.spawn import leave_pool
-from conftest import free_port
+from conftest import RANK_START, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -114,4 +114,4 @@ def _rank_main(rank: int, world: int, port: int) -> None:
 
 
 def test_vocab_parallel_embedding_and_logprobs_match_the_whole_matrix():
-    mp.spawn(_rank_main, args=(2, free_port()), nprocs=2, join=True)
+    mp.start_processes(_rank_main, args=(2, free_port()), nprocs=2, join=True, start_method=RANK_START)

@@ -25,6 +25,7 @@ from areal_like.api.config import TrainConfig
 from areal_like.api.net import free_port
 from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
+from conftest import RANK_START
 
 TIMEOUT_S = 2.0  # train.collective_timeout_s of these pools: rank 0's delays below are several times it
 
@@ -47,7 +48,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def _run(target, world: int, *args) -> dict:
     """Start `world` ranks of `target(rank, world, port, q, *args)`; returns {rank: what it put}."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(RANK_START)
     q = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, q, *args)) for r in range(world)]

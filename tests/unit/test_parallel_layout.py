@@ -19,6 +19,7 @@ from areal_like.learner.parallel import LayoutSpec, ParallelLayout
 from areal_like.learner.parallel.parallelize import stage_layer_ids
 from areal_like.learner.parallel.spawn import synthetic_groups
 from areal_like.learner.schedule import lr_at
+from conftest import RANK_START
 
 
 def test_spec_rank_order_is_tp_fastest_then_dp_then_pp():
@@ -141,9 +142,9 @@ def _groups_rank(rank: int, world: int, port: int, q) -> None:
 
 def test_layout_groups_on_four_gloo_ranks():
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(RANK_START)
     q = ctx.SimpleQueue()
-    mp.start_processes(_groups_rank, args=(4, port, q), nprocs=4, start_method="spawn")
+    mp.start_processes(_groups_rank, args=(4, port, q), nprocs=4, start_method=RANK_START)
     res = dict(q.get() for _ in range(4))
     # d2t2: tp groups are neighbours {0,1},{2,3}; dp groups stride tp: {0,2},{1,3}; pp groups singletons
     assert res[0]["tp"] == [0, 1] and res[3]["tp"] == [2, 3]
@@ -175,7 +176,7 @@ def _pool_rank(rank: int, world: int, port: int, q) -> None:
 
 def test_pool_store_listens_on_the_master_address_only():
     """The learner pool's TCPStore binds MASTER_ADDR (127.0.0.1), not every interface."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(RANK_START)
     q = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_pool_rank, args=(r, 2, port, q)) for r in range(2)]
