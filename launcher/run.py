@@ -564,7 +564,10 @@ class Run:
                     "--device", "cuda:0" if cuda else cfg.server.device,
                     "--dtype", cfg.server.dtype, "--max-batch-size", str(cfg.server.max_batch_size),
                     "--max-context-len", str(cfg.resolved_max_context_len()), "--weight-version", "0",
-                    "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads)]
+                    "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads),
+                    # its side of a weight group times out as the learner's does: a server left inside a
+                    # gloo collective whose peer died is free for the re-sync after weights.timeout_s
+                    "--weight-sync-timeout-s", str(cfg.weights.timeout_s)]
             if not cfg.metrics.prometheus:
                 argv.append("--disable-metrics")
             if cfg.model.fp32_lm_head:

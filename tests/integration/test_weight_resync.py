@@ -40,6 +40,13 @@ def base_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
+# The servers' side of a weight group times out before the learner's (weights.timeout_s=40 below; `launcher
+# run` gives its servers weights.timeout_s): when server 0 dies in the middle of a gloo push (step 4), server
+# 1 may already wait inside a broadcast the trainer never starts — gloo cannot interrupt it — and is free for
+# the re-sync's group after this, while the re-formed group's first broadcast still waits for it.
+SERVER_TIMEOUT = ("--weight-sync-timeout-s", "20")
+
+
 @pytest.fixture
 def restarted(tmp_path):
     """`restart(srv)`: SIGKILL `srv` (by PID) and start a new server on its port with --start-paused."""
@@ -47,7 +54,8 @@ def restarted(tmp_path):
 
     def restart(srv: EngineServer, model_dir: str, wait: bool = True) -> EngineServer:
         kill(srv)
-        new = EngineServer(model_dir, tmp_path, "--admin-api-key", ADMIN, "--start-paused", port=srv.port)
+        new = EngineServer(model_dir, tmp_path, "--admin-api-key", ADMIN, "--start-paused", *SERVER_TIMEOUT,
+                           port=srv.port)
         started.append(new)
         return new.wait_ready() if wait else new
 
@@ -108,7 +116,7 @@ def resyncs() -> float:
 
 async def test_restarted_server_is_resynced_distributed(engine_servers, tiny_model_dir, base_model, redis_server,
                                                         redis_stream, restarted, tmp_path, monkeypatch):
-    servers = engine_servers(tiny_model_dir, 2, "--admin-api-key", ADMIN)
+    servers = engine_servers(tiny_model_dir, 2, "--admin-api-key", ADMIN, *SERVER_TIMEOUT)
     coord = make_coordinator(tmp_path, monkeypatch, redis_server, redis_stream, tiny_model_dir,
                              [s.url for s in servers])
     buf = coord.buffer
