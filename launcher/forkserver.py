@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 
+from launcher.procs import process_running
+
 HOST_START_TIMEOUT_S = 120.0
 """How long the launcher waits for the host's imports before a role start fails naming its log."""
 
@@ -152,7 +154,7 @@ class ForkServer:
                 out.append(msg)
         if self._gone:  # the host died: its roles' statuses are lost; a role no longer running has ended
             for pid, child in list(self._children.items()):
-                if not _running(pid):
+                if not process_running(pid):
                     child.returncode = -9
                     del self._children[pid]
         return out
@@ -218,14 +220,6 @@ class ForkServer:
             except (ProcessLookupError, PermissionError):
                 pass
             self.proc.wait(timeout=5)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 # ---- the host process ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from areal_like.api.config import lora_target_modules
 from areal_like.api.net import reach_host, url_host
 from areal_like.api.run_files import Endpoints, reward_reached
-from launcher.procs import ProcessTable, Role, end_process_group, learner_role, role_kind
+from launcher.procs import ProcessTable, Role, end_process_group, learner_role, process_running, role_kind
 
 
 class RunError(RuntimeError):
@@ -1170,14 +1170,14 @@ def status_record(run_dir: str) -> dict:
     with open(os.path.join(run_dir, "pids.json")) as f:
         pids = json.load(f)
     placement = pids.get("placement", {})
-    launcher_alive = bool(pids.get("launcher")) and _running(pids["launcher"])
+    launcher_alive = bool(pids.get("launcher")) and process_running(pids["launcher"])
     ended = os.path.exists(os.path.join(run_dir, "summary.json"))
     roles = []
     for name in dict.fromkeys([*pids["roles"], *placement]):
         pid = pids["roles"].get(name)
         where = placement.get(name, {})
         if pids.get("backend", "local") == "local":
-            state = "running" if pid and _running(pid) else "ended"
+            state = "running" if pid and process_running(pid) else "ended"
         else:  # pids on other nodes: the launcher's record is the truth (it ends every role with the run)
             state = "ended" if ended or not launcher_alive else ("running" if pid else "not started")
         roles.append({"name": name, "pid": pid, "state": state, **where})
@@ -1223,16 +1223,6 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _running(pid: int) -> bool:
-    """Whether process `pid` is alive here: it exists and is not a zombie (an exited process its parent
-    has not reaped yet keeps its /proc entry — waiting on that would wait for the parent, not the run)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def cmd_stop(args) -> int:
     """Ask the run's launcher to stop (SIGTERM: it ends its roles); if it is gone, end the roles."""
     pids_path = os.path.join(args.run_dir, "pids.json")
@@ -1242,10 +1232,10 @@ def cmd_stop(args) -> int:
     with open(pids_path) as f:
         pids = json.load(f)
     lp = pids.get("launcher")
-    if lp and _running(lp):
+    if lp and process_running(lp):
         os.kill(lp, signal.SIGTERM)
         deadline = time.monotonic() + 60
-        while _running(lp) and time.monotonic() < deadline:
+        while process_running(lp) and time.monotonic() < deadline:
             time.sleep(0.2)
         return 0
     if pids.get("backend", "local") == "ray":
