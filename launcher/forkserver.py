@@ -318,6 +318,15 @@ def main() -> int:
     if threading.active_count() != 1:  # fork() copies only the calling thread
         print(f"[forkserver] {threading.active_count()} threads after the imports: cannot fork roles", flush=True)
         return 1
+    try:
+        _serve(sock)
+    except (BrokenPipeError, ConnectionResetError):  # the launcher is gone: the roles are its (or `launcher stop`'s)
+        print("[forkserver] the launcher closed the connection", flush=True)
+    return 0
+
+
+def _serve(sock: socket.socket) -> None:
+    """Fork a role per request, report every role's exit; return when the launcher closes its end."""
     sock.sendall(b'{"ready": true}\n')
     buf = b""
     while True:
@@ -325,7 +334,7 @@ def main() -> int:
         if r:
             chunk = sock.recv(65536)
             if not chunk:  # the launcher is gone or done: the roles are its to end
-                return 0
+                return
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
