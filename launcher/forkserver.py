@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -87,13 +88,9 @@ class ForkedProcess:
                 pass
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
 
@@ -115,8 +112,8 @@ class ForkServer:
         self._sock = ours
         self._buf = b""
         self._lock = threading.Lock()
-        self._children: dict[int, ForkedProcess] = {}
-        self._exits: dict[int, int] = {}  # exits read before their role's pid was (never, in practice)
+        self._children: dict[int, ForkedProcess] = {}  # a role's exit comes after its pid: the host reaps
+        # only between requests, once it has answered
         self._ready = False
         self._gone = False
 
@@ -148,8 +145,6 @@ class ForkServer:
                 child = self._children.pop(pid, None)
                 if child is not None:
                     child.returncode = code
-                else:
-                    self._exits[pid] = code
             else:
                 out.append(msg)
         if self._gone:  # the host died: its roles' statuses are lost; a role no longer running has ended
@@ -171,38 +166,31 @@ class ForkServer:
                    "cpus": sorted(cpus) if cpus else None}
         with self._lock:
             if not self._ready:
-                deadline = time.monotonic() + HOST_START_TIMEOUT_S
-                while not self._ready:
-                    msgs = self._read_lines(min(1.0, max(0.0, deadline - time.monotonic())))
-                    self._ready = any(m.get("ready") for m in msgs)
-                    if self._gone:
-                        raise self._fail(f"exited with {self.proc.poll()} while importing its libraries")
-                    if not self._ready and time.monotonic() >= deadline:
-                        raise self._fail(f"did not finish importing its libraries in {HOST_START_TIMEOUT_S:.0f} s")
-            if self._gone:
-                raise self._fail("has exited")
+                msgs = self._await(HOST_START_TIMEOUT_S, "finish importing its libraries")
+                self._ready = any(m.get("ready") for m in msgs)
             try:
                 self._sock.sendall(json.dumps(request).encode() + b"\n")
             except OSError as e:
                 raise self._fail(f"cannot be reached ({e})") from None
-            deadline = time.monotonic() + 30.0
-            while True:
-                msgs = self._read_lines(min(1.0, max(0.0, deadline - time.monotonic())))
-                if msgs:
-                    break
-                if self._gone:
-                    raise self._fail(f"exited with {self.proc.poll()} before starting {module}")
-                if time.monotonic() >= deadline:
-                    raise self._fail(f"did not start {module} in 30 s")
-            (msg,) = msgs
+            (msg,) = self._await(30.0, f"start {module}")
             if "error" in msg:
                 raise self._fail(f"cannot start {module}: {msg['error']}")
             child = ForkedProcess(self, int(msg["pid"]))
-            if child.pid in self._exits:
-                child.returncode = self._exits.pop(child.pid)
-            else:
-                self._children[child.pid] = child
+            self._children[child.pid] = child
             return child
+
+    def _await(self, timeout_s: float, what: str) -> list[dict]:
+        """The host's next message(s) other than exits; ForkServerError naming `what` if it died or took
+        longer than `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msgs = self._read_lines(min(1.0, max(0.0, deadline - time.monotonic())))
+            if msgs:
+                return msgs
+            if self._gone:
+                raise self._fail(f"exited with {self.proc.poll()} before it could {what}")
+            if time.monotonic() >= deadline:
+                raise self._fail(f"did not {what} in {timeout_s:.0f} s")
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End the host (its roles were ended by the launcher already)."""
@@ -213,8 +201,6 @@ class ForkServer:
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            import signal
-
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -226,7 +212,6 @@ class ForkServer:
 def _run_role(request: dict) -> int:
     """In the forked child: become the role, run its module as `__main__`, return its exit status."""
     import runpy
-    import signal
     import traceback
 
     os.setsid()
