@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 
-from launcher.procs import process_running
+from areal_like.api.process import process_running
 
 HOST_START_TIMEOUT_S = 120.0
 """How long the launcher waits for the host's imports before a role start fails naming its log."""

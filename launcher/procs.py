@@ -218,16 +218,6 @@ def end_process_group(pid: int, proc: subprocess.Popen | None = None, timeout_s:
             pass
 
 
-def process_running(pid: int) -> bool:
-    """Whether process `pid` is alive here: it exists and is not a zombie (an exited process its parent
-    has not reaped yet keeps its /proc entry — waiting on that would wait for the parent, not the run)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

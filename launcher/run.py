@@ -35,8 +35,9 @@ from collections.abc import Callable
 
 from areal_like.api.config import lora_target_modules
 from areal_like.api.net import reach_host, url_host
+from areal_like.api.process import process_running
 from areal_like.api.run_files import Endpoints, reward_reached
-from launcher.procs import ProcessTable, Role, end_process_group, learner_role, process_running, role_kind
+from launcher.procs import ProcessTable, Role, end_process_group, learner_role, role_kind
 
 
 class RunError(RuntimeError):

@@ -1,4 +1,4 @@
-"""How a role's process ends once its `main` returned (no torch, no asyncio).
+"""How a role's process ends once its `main` returned, and whether a process is running (no torch, no asyncio).
 
 A role that imported torch and transformers spends 1–4 s in the interpreter's finalization after its
 work is done (tearing down hundreds of modules and their native state; measured on the 2-core CPU
@@ -29,3 +29,13 @@ def exit_now(code: int | None) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken stream: nothing left to flush into it
             pass
     os._exit(0 if code is None else int(code))
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` is alive here: it exists and is not a zombie (an exited process its parent
+    has not reaped yet keeps its /proc entry — waiting on that would wait for the parent, not the run)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from launcher.procs import process_running as _running
+from areal_like.api.process import process_running as _running
 
 
 def test_an_exited_unreaped_process_is_not_running():
