@@ -260,6 +260,7 @@ class TrainSettings:
     offload_learner: bool = True  # colocate.offload_learner: the co-located learner's state off the device meanwhile
     lora_rank: int = 0  # model.lora_rank (0 = full fine-tuning)
     lora_targets: tuple[str, ...] = ()  # model.target_modules as module names
+    delta_sync: bool = False  # weights.sync=delta: the pushing rank keeps the last-sent copy in host memory
 
     @classmethod
     def from_config(cls, cfg: Any, *, sglang: bool, seq_len: int | None = None,
@@ -277,7 +278,8 @@ class TrainSettings:
                    mem_fraction_static=cfg.server.mem_fraction_static,
                    release_memory=cfg.colocate.release_memory, offload_learner=cfg.colocate.offload_learner,
                    lora_rank=cfg.model.lora_rank, lora_targets=(
-                       LORA_LINEARS if cfg.model.target_modules == "all-linear" else tuple(cfg.model.target_modules)))
+                       LORA_LINEARS if cfg.model.target_modules == "all-linear" else tuple(cfg.model.target_modules)),
+                   delta_sync=cfg.weights.sync == "delta")
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -440,6 +442,9 @@ class MemoryPlan:
     settings: TrainSettings
     capacity: int
     fixes: list[str] = field(default_factory=list)
+    # host memory beside the devices', by part: learner rank 0's node (`delta_sent_copy_bytes`: what
+    # `weights.sync=delta` keeps of the servers' weights, as last sent, in their dtype)
+    host: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -450,7 +455,8 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model_params": self.shape.count_params(), "device_memory_bytes": self.capacity,
-                "fits": self.fits, "devices": [d.to_dict() for d in self.devices], "fixes": self.fixes}
+                "fits": self.fits, "devices": [d.to_dict() for d in self.devices], "fixes": self.fixes,
+                "host": dict(self.host)}
 
 
 def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capacity: int,
@@ -489,6 +495,8 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
             if any(r.startswith("server") for r in d.roles) and any(r.startswith("learner") for r in d.roles):
                 d.phases = colocated_phases(d.parts, settings)
     plan = MemoryPlan(sorted(devs.values(), key=lambda d: (d.node, d.device)), shape, settings, capacity)
+    if settings.delta_sync and placement.training:  # kept in host memory, not on a device: never in `fits`
+        plan.host["delta_sent_copy_bytes"] = shape.count_params() * DTYPE_BYTES[settings.server_dtype]
     if suggest and not plan.fits:
         plan.fixes = suggest_fixes(placement, shape, settings, capacity)
     return plan
@@ -636,6 +644,9 @@ def format_memory(plan: MemoryPlan) -> str:
                          f"training {fmt_bytes(p['training_bytes'])}, handoff {fmt_bytes(p['handoff_bytes'])}"
                          + (f"; without colocate.release_memory {fmt_bytes(sum(d.parts.values()))}"
                             if s.release_memory else " (colocate.release_memory=false: the server keeps its memory)"))
+    if "delta_sent_copy_bytes" in plan.host:
+        lines.append(f"host memory of learner rank 0's node: {fmt_bytes(plan.host['delta_sent_copy_bytes'])} for "
+                     f"weights.sync=delta (the servers' weights as last sent, {s.server_dtype})")
     over = plan.over()
     if over:
         lines.append(f"does not fit: {len(over)} of {len(plan.devices)} devices over {fmt_bytes(plan.capacity)}")

@@ -629,6 +629,20 @@ class WeightSyncConfig(_Section):
     timeout_s: float = 120.0
     """Seconds one weight-sync step (group set-up, one bucket, one disk load) may take; then it fails
     naming the server."""
+    sync: Literal["full", "delta"] = "full"
+    """What each push sends: `full` (every tensor) or `delta` — only the elements whose bytes, in the
+    servers' dtype, changed since the version every server holds (positions and new values; the servers
+    overwrite those elements, so their weights are bit-identical to a full push's). At lr 1e-6 about 99 %
+    of a bf16 model's elements are unchanged from one step to the next: the push carries ~2 % of the bytes
+    and pauses generation ~0.1× as long (benchmarks/RESULTS.md, `delta_sync`). The
+    learner keeps the last-sent copy on the host (the model's size in the servers' dtype); the first push,
+    a push after a server restart or a failed push, and a push to servers on another version are full.
+    `weights.mode=distributed` to embedded servers (TRL's, slime's and verl's delta sync)."""
+    check_every: int = 0
+    """Every k-th push, compare each server's per-tensor checksums (SGLang's /weights_checker `checksum`)
+    with those of what a full push of the version sends; a difference fails the push, and the learner
+    re-syncs with a full push. Costs one more pass over the weights (a sharded learner: a gather). 0: never.
+    `weights.mode=distributed`."""
 
 
 class ColocateConfig(_Section):
@@ -990,6 +1004,20 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"weights.mode={self.weights.mode}: allocation {self.allocation!r} is co-located, and "
                               f"co-located runs hand the weights over in memory between their phases: set "
                               f"weights.mode=auto (or memory)")
+        if self.weights.check_every < 0:
+            raise ConfigError(f"weights.check_every={self.weights.check_every}: use 0 (never) or k ≥ 1 (every k-th push)")
+        if self.weights.sync == "delta" or self.weights.check_every:
+            key = "weights.sync=delta" if self.weights.sync == "delta" else "weights.check_every"
+            if self.resolved_weights_mode() != "distributed":
+                raise ConfigError(f"{key} works with weights.mode=distributed (the bucketed broadcast), and this run "
+                                  f"pushes with weights.mode={self.resolved_weights_mode()}: set weights.mode="
+                                  f"distributed, or weights.sync=full and weights.check_every=0")
+            if self.model.lora_rank > 0:
+                raise ConfigError(f"{key}: a LoRA run (model.lora_rank={self.model.lora_rank}) pushes the adapter "
+                                  f"alone (megabytes); set weights.sync=full and weights.check_every=0")
+        if self.weights.sync == "delta" and gen is not None and gen.backend == "sglang":
+            raise ConfigError("weights.sync=delta reaches embedded servers only: SGLang servers have no route "
+                              "for a delta update here yet; set weights.sync=full")
         if not alloc.colocated and self.weights.mode == "memory":
             raise ConfigError(f"weights.mode=memory needs a co-located allocation (generation and training on the "
                               f"same devices, '|' between them, e.g. 'embedded:d1|fsdp:d1'); {self.allocation!r} "

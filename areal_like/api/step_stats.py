@@ -220,6 +220,16 @@ class PushResult(msgspec.Struct, kw_only=True):
                                        row="push_adapter", tracker=None)] = False
     per_rank: Annotated[bool, published("Co-located CUDA-IPC pushes: each learner rank handed its own GPU's copy.",
                                         row="push_per_rank", tracker=None)] = False
+    delta: Annotated[bool, published("The push sent only the elements that changed since the version every server "
+                                     "held (`weights.sync=delta`); false: the whole model (the first push, after a "
+                                     "server restart, a failed push or with `weights.sync=full`).",
+                                     row="push_delta", tracker=None)] = False
+    changed: Annotated[float | None, published(
+        "Delta pushes: the fraction of the model's elements whose bytes (in the servers' dtype) changed since the "
+        "previous push.", row="push_changed", tracker="perf/push_changed")] = None
+    checked: Annotated[int | None, published(
+        "`weights.check_every`: tensors whose checksum on every server was found equal to what a full push of "
+        "the version sends (None: not checked at this push).", row="push_checked", tracker=None)] = None
     path: Annotated[str | None, published("Disk pushes: the version directory the servers loaded. Not in the row: "
                                           "a path under the run directory, in the learner log.", row=None,
                                           tracker=None)] = None

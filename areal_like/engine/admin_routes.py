@@ -20,7 +20,8 @@ from aiohttp import web
 
 from areal_like import metrics
 from areal_like.engine.errors import BadRequest, error
-from areal_like.weights.receive import WeightReceiver
+from areal_like.weights import delta
+from areal_like.weights.receive import WeightReceiver, parse_dtype
 from areal_like.weights.shm import LOAD_FORMAT as SHM_LOAD_FORMAT
 from areal_like.weights.shm import ShmReader
 
@@ -43,7 +44,8 @@ class AdminRoutes:
               ("POST", "/release_memory_occupation", "release_memory"),
               ("POST", "/resume_memory_occupation", "resume_memory"),
               ("POST", "/begin_weight_update", "begin_end"), ("POST", "/end_weight_update", "begin_end"),
-              ("POST", "/update_weight_version", "update_weight_version"))
+              ("POST", "/update_weight_version", "update_weight_version"),
+              ("GET", "/weights_checker", "weights_checker"), ("POST", "/weights_checker", "weights_checker"))
 
     def __init__(self, server) -> None:
         self.server = server  # the GenerationServer whose weights and memory these routes change
@@ -55,6 +57,9 @@ class AdminRoutes:
         # the receive count (bucket k receives into buffer k % RECV_SLOTS, free once its last load ended)
         self._group_loads: dict[str, list[asyncio.Future]] = {}
         self._group_received: dict[str, int] = {}
+        # a delta update (load_format "delta") in flight per group: its tensors' changes, staged until its
+        # last bucket arrives and then applied in one engine call (a torn update applies nothing)
+        self._group_deltas: dict[str, list[delta.TensorDelta]] = {}
 
     def add_to(self, app: web.Application) -> None:
         for method, path, handler in self.ROUTES:
@@ -201,6 +206,8 @@ class AdminRoutes:
 
     async def update_distributed(self, request: web.Request) -> web.Response:
         b = await self.server._json(request)
+        if b.get("load_format") == "delta":
+            return await self._update_delta(b)
         try:
             names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), [list(s) for s in b["shapes"]]
         except (KeyError, TypeError) as e:
@@ -254,6 +261,100 @@ class AdminRoutes:
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors",
                                   "recv_s": t_recv - t0, "load_s": t_load - t_recv})
 
+    async def _update_delta(self, b: dict) -> web.Response:
+        """One bucket of a delta update (`weights.sync=delta`, weights/delta.py): body `deltas` (one
+        `[name, dtype, shape, encoding, count]` per tensor, in the bucket's order) and `base_version`, the
+        version the update applies to. Every bucket is received and staged; the last one (it sets
+        `weight_version`) applies the whole update in one engine call if this server holds `base_version`
+        — else it refuses and nothing changes (the sender then pushes the full weights)."""
+        group_name = str(b.get("group_name") or "weight_update_group")
+        try:
+            described = [list(e) for e in b["deltas"]]
+            base = str(b["base_version"])
+            nbytes = max(delta.ALIGN, sum(delta.part_nbytes(parse_dtype(str(e[1])), [int(x) for x in e[2]], str(e[3]),
+                                                            int(e[4])) for e in described))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise BadRequest(f"bad delta update body (want deltas: [[name, dtype, shape, encoding, count], …] and "
+                             f"base_version): {e!r}")
+        refused = self._update_refused()
+        if refused is not None:
+            return refused
+        async with self.update_lock:  # receives in arrival order: the broadcasts' order
+            if b.get("abort_all_requests"):
+                self.server.scheduler.abort(abort_all=True, message="aborted for weight update")
+            t0 = time.perf_counter()
+            k = self._group_received.get(group_name, 0)
+            if k == 0:
+                self._group_deltas[group_name] = []
+                log.info("receiving a delta update from version %s in group %r", base, group_name)
+            if self.server.runner.device.type == "cuda":
+                torch.cuda.set_device(self.server.runner.device)
+            try:
+                staged = await asyncio.to_thread(self._receive_delta, group_name, nbytes, described, k % RECV_SLOTS)
+            except Exception as e:
+                log.error("update_weights_from_distributed (delta) failed: %s", e)
+                return web.json_response({"success": False, "message": str(e)})
+            self._group_received[group_name] = k + 1
+            self._group_deltas.setdefault(group_name, []).extend(staged)
+        t_recv = time.perf_counter()
+        if b.get("weight_version") is None:
+            return web.json_response({"success": True, "message": f"staged {len(staged)} tensor deltas",
+                                      "recv_s": t_recv - t0, "load_s": 0.0})
+        deltas = self._group_deltas.pop(group_name, [])
+        self._end_group_update(group_name)
+        have = self.server.scheduler.weight_version
+        if have != base or self.server.weights_undefined:
+            held = "undefined weights" if self.server.weights_undefined else f"version {have!r}"
+            msg = (f"this delta update applies to version {base!r}, but this server holds {held}: nothing was "
+                   f"applied; push the full weights")
+            log.error("update_weights_from_distributed (delta) refused: %s", msg)
+            return web.json_response({"success": False, "message": msg})
+        try:
+            await self.server.scheduler.run_on_engine(self.server.runner.apply_weight_deltas, deltas)
+        except Exception as e:  # checked before any write: the old weights still serve
+            log.error("update_weights_from_distributed (delta) failed: %s", e)
+            return web.json_response({"success": False, "message": str(e)})
+        t_load = time.perf_counter()
+        self.server._set_version(str(b["weight_version"]))
+        log.info("applied a delta update from version %s to %s (%d tensors, %d elements) in %.3f s", base,
+                 b["weight_version"], len(deltas), sum(d.count for d in deltas), t_load - t_recv)
+        metrics.WEIGHT_LOAD_SECONDS.observe(t_load - t0)
+        refused = self._flush_refused(b)
+        if refused is not None:
+            return refused
+        return web.json_response({"success": True, "message": f"applied {len(deltas)} tensor deltas",
+                                  "recv_s": t_recv - t0, "load_s": t_load - t_recv})
+
+    def _receive_delta(self, group_name: str, nbytes: int, described: list[list], slot: int) -> list[delta.TensorDelta]:
+        """Receive one delta bucket (blocking; on a thread), decode its positions and copy its values out of
+        the receive buffer."""
+        buf = self.receiver.receive_bytes(group_name=group_name, nbytes=nbytes, slot=slot,
+                                          what=f"a delta bucket of {len(described)} tensors ({nbytes} bytes)")
+        return [d.prepare() for d in delta.unpack(buf, described)]  # positions decoded now, not in the pause
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """SGLang's /weights_checker, action `checksum` (its other actions — snapshot, compare, reset_tensors
+        — are for debugging SGLang's loaders and are refused): per tensor, by HF name, the first 8 bytes of
+        the SHA-256 of its bytes as hex, read on the engine thread (never half-loaded), in SGLang's reply
+        shape (`ranks`: one entry for this one-device server, and `per_engine_checksum`)."""
+        b = {} if not request.can_read_body else await self.server._json(request)
+        action = b.get("action") or "checksum"
+        if action != "checksum":
+            return web.json_response({"success": False, "message": f"action {action!r} is not supported by this "
+                                      "server: use 'checksum'"}, status=400)
+        skip = b.get("skip_tensor_list") or []
+        own = self.server.runner.named_weights()
+
+        def hashes() -> dict[str, str]:
+            return {n: delta.checksum(t) for n, t in own.items() if not any(p in n for p in skip)}
+        sums = await self.server.scheduler.run_on_engine(hashes)
+        overall = delta.overall_checksum(sums)
+        info = {"checksums": sums, "per_gpu_checksum": overall,
+                "parallelism_info": {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                     "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}}
+        return web.json_response({"success": True, "message": f"checksum of {len(sums)} tensors", "ranks": [info],
+                                  "per_engine_checksum": delta.engine_checksum([overall])})
+
     async def _receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
                        load_format: str | None, slot: int) -> dict[str, torch.Tensor]:
         """One bucket from the weight group (on a thread): per-tensor broadcasts, or one flattened bucket
@@ -276,6 +377,7 @@ class AdminRoutes:
     def _end_group_update(self, group_name: str) -> list[asyncio.Future]:
         """Forget the update in flight on `group_name`; its load futures (all done once the last one is)."""
         self._group_received.pop(group_name, None)
+        self._group_deltas.pop(group_name, None)
         return self._group_loads.pop(group_name, [])
 
     async def destroy_group(self, request: web.Request) -> web.Response:

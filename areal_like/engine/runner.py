@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_like.engine.lora import LoraSlots
 from areal_like.weights.adapter import base_layer_name, is_lora_name
+from areal_like.weights.delta import apply_all as apply_deltas
 from areal_like.engine.sampling import GREEDY_EPS, apply_penalties, sample_next
 
 log = logging.getLogger(__name__)
@@ -629,6 +630,25 @@ class ModelRunner:
         with torch.no_grad():
             for n, t in named.items():
                 own[n].copy_(t)  # copies across dtype/device
+
+    @torch.no_grad()
+    def apply_weight_deltas(self, deltas) -> None:
+        """Overwrite the changed elements of a delta update (`weights.delta.TensorDelta`s), all or nothing:
+        names, shapes and kinds are checked before anything is written; then each tensor's changed elements
+        are assigned (cast to the parameter's dtype as `load_weights`' `copy_` casts), never computed."""
+        own = self.named_weights()
+        unknown = [d.name for d in deltas if d.name not in own]
+        if unknown:
+            raise ValueError(f"unknown parameter names: {unknown[:5]}{' …' if len(unknown) > 5 else ''}")
+        bad = [f"{d.name}: got {d.shape}, model has {tuple(own[d.name].shape)}" for d in deltas
+               if d.shape != tuple(own[d.name].shape)]
+        bad += [f"{d.name}: got dtype {d.dtype}, model has {own[d.name].dtype}" for d in deltas
+                if d.dtype.is_floating_point != own[d.name].is_floating_point()]
+        if bad:
+            raise ValueError(f"shape/dtype mismatch: {bad[:5]}")
+        # generation is paused meanwhile: the apply may use every CPU this server runs on
+        threads = len(os.sched_getaffinity(0)) if self.device.type == "cpu" else 1
+        apply_deltas({d.name: own[d.name].data for d in deltas}, deltas, threads=threads)
 
     def load_weights_from_disk(self, model_path: str) -> None:
         """Load every tensor of an HF safetensors checkpoint dir; the model is untouched on failure."""

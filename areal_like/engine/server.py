@@ -103,7 +103,7 @@ ADMIN_PATHS = {"/pause_generation", "/continue_generation", "/flush_cache", "/in
                "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weights_from_disk",
                "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update", "/get_weights_by_name", "/abort_request",
                "/load_lora_adapter", "/unload_lora_adapter", "/load_lora_adapter_from_distributed",
-               "/update_weight_version"}
+               "/update_weight_version", "/weights_checker"}
 OPEN_PATHS = {"/health", "/health_generate", "/metrics"}
 
 

@@ -77,5 +77,6 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
             devices_per_server=devices, group_name=f"weight_update_group_{incarnation}", dtype=dtype,
             # our embedded servers receive bucket k+1 while they load bucket k; SGLang (NCCL) does not
             overlap_loads=endpoints.weight_backend != "nccl",
+            sync=cfg.weights.sync, check_every=cfg.weights.check_every,
         )
     raise ValueError(f"weights.mode={mode!r}: use 'auto', 'distributed', 'disk' or 'memory'")

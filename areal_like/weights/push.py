@@ -17,6 +17,9 @@ each server answers only after the collective it is waiting for. Blocking torch.
 runs on a thread so the event loop keeps serving the other HTTP replies. This module does not decide
 when to push or which version comes next (the learner does).
 
+`weights.sync=delta` (weights/delta.py): after a first full push, only the changed elements travel —
+diffed and sent while the servers generate, applied by each server in one call inside a short pause.
+
 A restarted server is not in the group, and a server that died mid-push breaks it: `reform()` waits
 for every server, drops the old group (here, and best-effort on the servers) and forms a new one
 under a new name (`<group_name>_r<k>`) on a fresh port; the learner then pushes its current weights.
@@ -28,10 +31,12 @@ import asyncio
 import logging
 import time
 
+import aiohttp
 import torch
 
 from areal_like import metrics
 from areal_like.api.step_stats import PushResult
+from areal_like.weights import delta as deltas_
 from areal_like.weights.adapter import ADAPTER_NAME, is_adapter
 from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
 from areal_like.api.net import free_port
@@ -99,9 +104,19 @@ class WeightPusher(ServerAdmin):
                  backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
                  admin_api_key: str | None = None, group_name: str = "weight_update_group",
                  devices_per_server: list[int] | None = None, flattened: bool = True,
-                 dtype: str | torch.dtype | None = None, overlap_loads: bool = False):
+                 dtype: str | torch.dtype | None = None, overlap_loads: bool = False, sync: str = "full",
+                 check_every: int = 0):
         super().__init__(server_urls, timeout_s=timeout_s, admin_api_key=admin_api_key)
         self.overlap_loads = overlap_loads
+        if sync not in ("full", "delta"):
+            raise ValueError(f"sync={sync!r}: use 'full' or 'delta'")
+        # `weights.sync=delta`: what the servers hold, as last sent (host memory), and the version it makes up;
+        # a push whose servers all hold that version sends only the changed elements (weights/delta.py)
+        self.sent: deltas_.SentCopy | None = deltas_.SentCopy() if sync == "delta" else None
+        # `weights.check_every`: every k-th push, each server's per-tensor checksums (/weights_checker) are
+        # compared with what a full push of the version sends (0: never)
+        self.check_every = check_every
+        self.pushes = 0
         # The servers' dtype (`server.dtype`): floating-point tensors are cast to it in the bucket, so
         # the wire carries what the servers hold. None = push every tensor in its own dtype.
         self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -216,6 +231,8 @@ class WeightPusher(ServerAdmin):
         The servers keep serving what they hold (a restarted one stays paused): push next."""
         await ServerAdmin.init(self)
         await self.wait_servers()
+        if self.sent is not None:
+            self.sent.invalidate()  # a restarted server holds another version: the next push is full
         await self._drop_group()
         self.reforms += 1
         self.group_name = f"{self.base_group_name}_r{self.reforms}"
@@ -236,17 +253,43 @@ class WeightPusher(ServerAdmin):
 
         On failure the servers stay paused (their weights may be partly new): retry the push, or
         reload from disk, then `resume()`.
+
+        `sync="delta"` (`weights.sync=delta`): once a full push recorded what the servers hold, a push to
+        servers that all report that version sends only the changed elements (`_update_delta`); any other
+        case, a failure or `reform()` makes the next push full. `check_every=k`: every k-th push is then
+        compared, tensor by tensor, with the checksums of a full push (`check`).
         """
         if self.group is None:
             raise WeightPushError("update() before init(): the weight group does not exist")
         self.stuck = []
         t0 = time.perf_counter()
-        dt = self.dtype
-        src = gather_in(as_source(weights), dt)
-        meta = src.meta
+        src = gather_in(as_source(weights), self.dtype)
         # A LoRA learner's push: the adapter's tensors, loaded by the servers as the run's adapter
         # (our route; SGLang has no distributed one for adapters — its LoRA runs push through disk)
         adapter = is_adapter(weights)
+        sent = self.sent if not adapter else None
+        try:
+            if sent is not None and sent.version is not None and await self._servers_hold(sent.version):
+                res = await self._update_delta(src, version, paused, t0)
+            else:
+                if sent is not None:
+                    sent.invalidate()  # recorded afresh by this full push
+                res = await self._update_full(src, weights, version, paused, t0, adapter)
+            self.pushes += 1
+            if self.check_every and not adapter and self.pushes % self.check_every == 0:
+                res.checked = await self.check(src, version)
+        except BaseException:
+            if sent is not None:
+                sent.invalidate()  # the servers may hold anything: the next push is full
+            raise
+        return res
+
+    async def _update_full(self, src: WeightSource, weights, version: int, paused: bool, t0: float,
+                           adapter: bool) -> PushResult:
+        """Every tensor, in buckets (see `update`); with `weights.sync=delta` each is also kept as sent."""
+        dt = self.dtype
+        meta = src.meta
+        sent = self.sent if not adapter else None
         route = "/load_lora_adapter_from_distributed" if adapter else "/update_weights_from_distributed"
         buckets = plan_buckets(meta, self.bucket_bytes, dt)
         device = src.device
@@ -256,7 +299,14 @@ class WeightPusher(ServerAdmin):
             idx = buckets[i]
             nbytes = sum(meta_nbytes(meta[j], dt) for j in idx)
             buf = self._flat.get(i, nbytes, device)
-            return fill_bucket(src.open(idx), [meta[j] for j in idx], buf, dt)
+            out = fill_bucket(src.open(idx), [meta[j] for j in idx], buf, dt)
+            if sent is not None:  # the bucket holds each tensor as sent: keep it
+                off = 0
+                for j in idx:
+                    n = meta_nbytes(meta[j], dt)
+                    sent.record(meta[j][0], out[off:off + n].view(wire_dtype_of(meta[j][2], dt)).view(meta[j][1]))
+                    off += n
+            return out
 
         # The first bucket is filled before the pause: generation does not wait for it.
         next_flat = asyncio.ensure_future(asyncio.to_thread(flatten, 0)) if self.flattened and buckets else None
@@ -301,8 +351,11 @@ class WeightPusher(ServerAdmin):
 
                     def coll(idx=idx):
                         for n, t in src.open(idx):  # cast one tensor at a time, right before it is sent
-                            self.group.broadcast(t.detach().to(wire_dtype(t, dt)).contiguous(), 0, what=f"tensor {n!r}")
-                            del t
+                            wt = t.detach().to(wire_dtype(t, dt)).contiguous()
+                            self.group.broadcast(wt, 0, what=f"tensor {n!r}")
+                            if sent is not None:
+                                sent.record(n, wt)
+                            del t, wt
                 if self.overlap_loads:
                     unanswered += http
                     await self._with_collective(unanswered, coll, replies=last)
@@ -329,8 +382,142 @@ class WeightPusher(ServerAdmin):
             self._flat = FlatBuffers()
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
+        if sent is not None:
+            sent.version = version
         return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, bytes=total_bytes,
                           buckets=len(buckets), adapter=adapter)
+
+    # ---------------------------------------------------------------- weights.sync=delta
+    async def _servers_hold(self, version: int) -> bool:
+        """Whether every server reports `version` (/model_info's weight_version). A server that does not
+        answer counts as not holding it: the full push that follows reports it properly."""
+        assert self._session is not None
+
+        async def one(url: str) -> str | None:
+            try:
+                async with self._session.get(url + "/model_info", headers=self._headers,
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                    return str((await resp.json(content_type=None)).get("weight_version")) if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
+                log.info("weight version of %s unknown (%s): pushing the full weights", url, e)
+                return None
+        held = await asyncio.gather(*(one(u) for u in self.server_urls))
+        behind = [f"{u} ({h})" for u, h in zip(self.server_urls, held) if h != str(version)]
+        if behind:
+            log.info("server(s) not on version %d, the base of a delta: %s — pushing the full weights",
+                     version, ", ".join(behind))
+        return not behind
+
+    def _diff(self, src: WeightSource) -> tuple[list[tuple[list[list], torch.Tensor]], int, int]:
+        """Every tensor's change from the last-sent copy, packed into buckets of at most `bucket_bytes`
+        (blocking: on a thread, before the pause): [(the bucket's tensor descriptions, its bytes)], the
+        changed elements and the elements compared. The source is opened bucket by bucket as a full push
+        would (a sharded learner gathers one tensor at a time), each tensor cast to the servers' dtype on
+        the host; a bucket's changes are packed as soon as it is full, so what is held is the payload."""
+        assert self.sent is not None
+        packed: list[tuple[list[list], torch.Tensor]] = []
+        cur: list[deltas_.TensorDelta] = []
+        changed = numel = 0
+
+        def close() -> None:
+            buf = torch.zeros(max(deltas_.ALIGN, sum(d.nbytes for d in cur)), dtype=torch.uint8)
+            deltas_.pack(cur, buf)
+            packed.append(([d.describe() for d in cur], buf))
+            cur.clear()
+
+        for idx in plan_buckets(src.meta, self.bucket_bytes, self.dtype):
+            for name, t in src.open(idx):
+                new = t.detach().to("cpu", wire_dtype(t, self.dtype), copy=True)
+                del t
+                numel += new.numel()
+                d = deltas_.encode(name, new, self.sent.tensors.get(name))
+                del new
+                if d is None:
+                    continue
+                if cur and sum(c.nbytes for c in cur) + d.nbytes > self.bucket_bytes:
+                    close()
+                cur.append(d)
+                changed += d.count
+        if cur:
+            close()
+        return packed, changed, numel
+
+    async def _update_delta(self, src: WeightSource, version: int, paused: bool, t0: float) -> PushResult:
+        """The changed elements since `self.sent.version` (which every server holds), in buckets of their
+        encoded size (weights/delta.py). Diffed and packed before the pause, and sent while the servers still
+        generate: each stages what it receives. Then pause → one empty bucket that sets the version (each
+        server applies the whole update in one engine call) → continue: the pause window is the apply."""
+        sent = self.sent
+        assert sent is not None and sent.version is not None
+        base = str(sent.version)
+        packed, changed, numel = await asyncio.to_thread(self._diff, src)
+        commit = ([], torch.zeros(deltas_.ALIGN, dtype=torch.uint8))  # sets the version: the servers apply
+        device = src.device
+        total = 0
+        t_paused = None
+        await self._begin_or_end("/begin_weight_update")
+        unanswered: list[asyncio.Future] = []
+        for i, (described, buf) in enumerate([*packed, commit]):
+            last = i == len(packed)
+            if last and not paused:
+                t_paused = time.perf_counter()
+                await self.pause("abort")
+            t_paused = t_paused or time.perf_counter()
+            body = {"deltas": described, "base_version": base, "group_name": self.group_name, "flush_cache": False,
+                    "abort_all_requests": False, "weight_version": str(version) if last else None,
+                    "load_format": "delta"}
+            wire = buf.to(device) if device.type == "cuda" else buf
+            total += wire.numel()
+            http = [self._send(u, "/update_weights_from_distributed", body) for u in self.server_urls]
+            coll = lambda wire=wire, i=i: self.group.broadcast(wire, 0, what=f"delta bucket {i}")  # noqa: E731
+            unanswered += http
+            # the last data bucket waits for every server to have staged them all: the pause holds the apply alone
+            await self._with_collective(unanswered, coll, replies=i >= len(packed) - 1)
+            unanswered = [t for t in unanswered if not t.done()]
+        await self._begin_or_end("/end_weight_update")
+        if not paused:
+            await self._all("/flush_cache", {})
+            await self.resume()
+        t_resumed = time.perf_counter()
+        for described, buf in packed:  # every server applied them: so does the copy of what they hold
+            sent.advance(deltas_.unpack(buf, described), version)
+        sent.version = version
+        t_end = time.perf_counter()
+        metrics.PUSH_SECONDS.observe(t_end - t0)
+        return PushResult(push_s=t_end - t0, pause_window_s=t_resumed - t_paused, bytes=total, buckets=len(packed) + 1,
+                          delta=True, changed=changed / max(1, numel))
+
+    async def check(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> int:
+        """Compare every server's per-tensor checksums (SGLang's /weights_checker, action `checksum`) with
+        those of what a full push of `version` sends (the source, cast to the servers' dtype), on the names
+        both have; returns the tensors compared per server. Raises WeightPushError naming the server and
+        the first tensors that differ (the learner then re-syncs: a full push)."""
+        src = gather_in(as_source(weights), self.dtype)
+
+        def expected() -> dict[str, str]:
+            out = {}
+            for idx in plan_buckets(src.meta, self.bucket_bytes, self.dtype):
+                for name, t in src.open(idx):
+                    out[name] = deltas_.checksum(t.detach().to(wire_dtype(t, self.dtype)))
+                    del t
+            return out
+        want = await asyncio.to_thread(expected)
+        replies = await self._all("/weights_checker", {"action": "checksum"})
+        compared = None
+        for url, r in zip(self.server_urls, replies):
+            have: dict[str, str] = {}
+            for rank in (r or {}).get("ranks") or []:
+                have.update(rank.get("checksums") or {})
+            common = sorted(set(have) & set(want))
+            if not common:
+                raise WeightPushError(f"{url}/weights_checker reported no tensor the learner pushes: nothing to "
+                                      f"check (set weights.check_every=0)")
+            differ = [n for n in common if have[n] != want[n]]
+            if differ:
+                raise WeightPushError(f"{url} holds {len(differ)} tensor(s) that differ from version {version} as "
+                                      f"a full push sends it, e.g. {differ[:3]}: re-syncing with a full push")
+            compared = len(common) if compared is None else min(compared, len(common))
+        return compared or 0
 
     async def close(self) -> None:
         """Destroy the group on the servers and here; close the HTTP session."""

@@ -98,11 +98,8 @@ class WeightReceiver:
         device = torch.device("cpu") if group.backend == "gloo" else self.device
         if load_format == "flattened_bucket":
             nbytes = bucket_nbytes(dts, shapes)
-            big = self._bufs.get((group_name, slot))
-            if big is None or big.numel() < nbytes or big.device != device:
-                big = self._bufs[(group_name, slot)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            buf = big[:nbytes]
-            group.broadcast(buf, 0, what=f"a flattened bucket of {len(names)} tensors ({buf.numel()} bytes)")
+            buf = self.receive_bytes(group_name=group_name, nbytes=nbytes, slot=slot,
+                                     what=f"a flattened bucket of {len(names)} tensors ({nbytes} bytes)")
             return unflatten_bucket(buf, names, dts, shapes)
         if load_format not in (None, "", "direct"):
             raise ValueError(f"unknown load_format {load_format!r}: use null or 'flattened_bucket'")
@@ -112,6 +109,20 @@ class WeightReceiver:
             group.broadcast(t, 0, what=f"tensor {name!r}")
             out[name] = t
         return out
+
+    def receive_bytes(self, *, group_name: str, nbytes: int, slot: int = 0, what: str = "") -> torch.Tensor:
+        """Receive one flat uint8 bucket of `nbytes` (a delta update's: weights/delta.py decodes it) into the
+        group's buffer `slot`; the returned tensor is a view of it until that slot is received into again."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight group {group_name!r}: call /init_weights_update_group first")
+        device = torch.device("cpu") if group.backend == "gloo" else self.device
+        big = self._bufs.get((group_name, slot))
+        if big is None or big.numel() < nbytes or big.device != device:
+            big = self._bufs[(group_name, slot)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buf = big[:nbytes]
+        group.broadcast(buf, 0, what=what or f"a bucket of {nbytes} bytes")
+        return buf
 
     def destroy(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
