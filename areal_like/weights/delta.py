@@ -88,8 +88,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class TensorDelta:
     """One tensor's change: `encoding` in ENCODINGS; `count` changed elements (dense: all of them);
-    `index` (sparse: the positions; mask: the packed bitmask; dense: None) and `values` (flat, the
-    tensor's dtype)."""
+    `index` (uint8 — sparse: per-block counts and 16-bit offsets, `sparse_index`; mask: the packed bitmask;
+    dense: None) and `values` (flat, the tensor's dtype)."""
 
     name: str
     dtype: torch.dtype
@@ -98,7 +98,7 @@ class TensorDelta:
     count: int
     index: torch.Tensor | None
     values: torch.Tensor
-    where: torch.Tensor | None = None  # `prepare`d: the positions to assign at (`positions`, int64)
+    where: torch.Tensor | None = None  # the positions to assign at (int64): `prepare`d, or from `encode`
 
     def prepare(self) -> "TensorDelta":
         """Decode the positions now (a receiver does it as a bucket arrives, so that applying the update
@@ -173,8 +173,8 @@ def encode(name: str, new: torch.Tensor, old: torch.Tensor | None) -> TensorDelt
     if enc == "dense":
         return TensorDelta(name, new.dtype, shape, "dense", flat.numel(), None, flat)
     if enc == "sparse":
-        pos = changed.nonzero().view(-1)
-        return TensorDelta(name, new.dtype, shape, "sparse", count, sparse_index(pos, flat.numel()), flat[pos])
+        pos = changed.nonzero().view(-1)  # kept as `where`: the sender updates its copy at these positions
+        return TensorDelta(name, new.dtype, shape, "sparse", count, sparse_index(pos, flat.numel()), flat[pos], pos)
     return TensorDelta(name, new.dtype, shape, "mask", count, pack_mask(changed), flat[changed])
 
 
@@ -323,7 +323,13 @@ class SentCopy:
         else:
             self.tensors[name] = sent.detach().to("cpu", copy=True).reshape(sent.shape)
 
-    def advance(self, deltas: Iterable[TensorDelta], version: int) -> None:
-        """Every server applied `deltas`: the copy follows them and now makes up `version`."""
-        apply_all(self.tensors, deltas, threads=torch.get_num_threads())
-        self.version = version
+    def follow(self, new: torch.Tensor, d: TensorDelta) -> None:
+        """Tensor `d.name` is about to be sent as `d` (encoded from `new` against this copy): the copy takes
+        the new bytes now, at the positions `encode` found (a sparse delta) or whole. The version is set only
+        once every server applied the push; a failed push invalidates the copy (the next push is full)."""
+        old = self.tensors.get(d.name)
+        if old is None or d.encoding != "sparse" or d.where is None:
+            self.record(d.name, new)
+        else:
+            old.view(-1).index_copy_(0, d.where, d.values)
+        d.where = None  # the sender's positions are not sent (the bucket carries the block offsets)

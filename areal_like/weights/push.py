@@ -417,10 +417,10 @@ class WeightPusher(ServerAdmin):
         assert self.sent is not None
         packed: list[tuple[list[list], torch.Tensor]] = []
         cur: list[deltas_.TensorDelta] = []
-        changed = numel = 0
+        changed = numel = size = 0
 
         def close() -> None:
-            buf = torch.zeros(max(deltas_.ALIGN, sum(d.nbytes for d in cur)), dtype=torch.uint8)
+            buf = torch.zeros(max(deltas_.ALIGN, size), dtype=torch.uint8)
             deltas_.pack(cur, buf)
             packed.append(([d.describe() for d in cur], buf))
             cur.clear()
@@ -431,12 +431,15 @@ class WeightPusher(ServerAdmin):
                 del t
                 numel += new.numel()
                 d = deltas_.encode(name, new, self.sent.tensors.get(name))
-                del new
                 if d is None:
                     continue
-                if cur and sum(c.nbytes for c in cur) + d.nbytes > self.bucket_bytes:
+                self.sent.follow(new, d)  # the copy takes the new bytes now (its version moves on success)
+                del new
+                if cur and size + d.nbytes > self.bucket_bytes:
                     close()
+                    size = 0
                 cur.append(d)
+                size += d.nbytes
                 changed += d.count
         if cur:
             close()
@@ -478,13 +481,10 @@ class WeightPusher(ServerAdmin):
         if not paused:
             await self._all("/flush_cache", {})
             await self.resume()
-        t_resumed = time.perf_counter()
-        for described, buf in packed:  # every server applied them: so does the copy of what they hold
-            sent.advance(deltas_.unpack(buf, described), version)
-        sent.version = version
         t_end = time.perf_counter()
+        sent.version = version  # every server applied it (the copy followed during the diff)
         metrics.PUSH_SECONDS.observe(t_end - t0)
-        return PushResult(push_s=t_end - t0, pause_window_s=t_resumed - t_paused, bytes=total, buckets=len(packed) + 1,
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, bytes=total, buckets=len(packed) + 1,
                           delta=True, changed=changed / max(1, numel))
 
     async def check(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> int:

@@ -97,15 +97,19 @@ def test_sparse_positions_span_blocks_and_offsets_past_the_int16_range():
     assert torch.equal(delta.sparse_positions(delta.sparse_index(pos, numel), numel, len(pos)), pos)
 
 
-def test_the_sent_copy_follows_the_deltas_and_a_failed_push_invalidates_it():
+@pytest.mark.parametrize("frac", [0.01, 0.3, 1.0])
+def test_the_sent_copy_follows_each_encoding_and_a_failed_push_invalidates_it(frac):
     sent = delta.SentCopy()
-    old = torch.randn(100).to(torch.bfloat16)
+    old = torch.randn(10_000).to(torch.bfloat16)
     sent.record("w", old)
     sent.version = 1
-    new = _changed(old, 0.05, seed=9)
+    new = _changed(old, frac, seed=9)
     d = delta.encode("w", new, sent.tensors["w"])
-    sent.advance([d], 2)
-    assert sent.version == 2 and torch.equal(sent.tensors["w"], new) and sent.nbytes == 200
+    sent.follow(new, d)
+    assert torch.equal(sent.tensors["w"], new) and sent.nbytes == 20_000 and d.where is None
+    target = old.clone()
+    delta.apply(target, d)  # what a server does with the same delta
+    assert torch.equal(target, new)
     sent.invalidate()
     assert sent.version is None
 
