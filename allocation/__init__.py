@@ -10,6 +10,7 @@ from allocation.parser import parse_allocation
 from allocation.placement import (
     DEFAULT_DEVICES_PER_NODE,
     ComponentPlacement,
+    GenerationPlacement,
     Placement,
     RankPlacement,
     ServerPlacement,
@@ -20,9 +21,12 @@ from allocation.placement import (
 )
 from allocation.spec import (
     GENERATION_BACKENDS,
+    ROLES,
     RUNNABLE_GENERATION_BACKENDS,
+    RUNNABLE_TRAINING_BACKENDS,
     TRAINING_BACKENDS,
     Allocation,
+    Component,
     GenerationSpec,
     Kind,
     ParallelDims,
@@ -32,11 +36,15 @@ from allocation.spec import (
 __all__ = [
     "DEFAULT_DEVICES_PER_NODE",
     "GENERATION_BACKENDS",
+    "ROLES",
     "RUNNABLE_GENERATION_BACKENDS",
+    "RUNNABLE_TRAINING_BACKENDS",
     "TRAINING_BACKENDS",
     "Allocation",
     "AllocationError",
+    "Component",
     "ComponentPlacement",
+    "GenerationPlacement",
     "GenerationSpec",
     "Kind",
     "ParallelDims",

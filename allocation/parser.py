@@ -10,26 +10,32 @@ Accepted forms (whitespace is allowed at the ends and around ``+``, ``|`` and in
   ``sglang:d4p2t2+megatron:(attn:d2p2t2c2|ffn:d2p2t2e2)``,
   named and colocated components ``sglang[rollout]:d2+fsdp[actor]:d4|fsdp[critic]:d4``.
 
-Grammar::
+Grammar (AReaL 1.0.4's for the modern form, plus the older ones above)::
 
-    allocation := group ('+' group)?           left of '+': the generation server; right: training
-    group      := component ('|' component)*   components of one group share the same devices
+    allocation := group ('+' group)*            each group: devices of its own, in the order written
+    group      := component ('|' component)*   components of one group share its devices
     component  := backend ('[' name ']')? ('.' | ':') (dims | hybrid)  |  dims
-    hybrid     := '(' 'attn' ':' dims '|' 'ffn' ':' dims ')'          (either order, megatron only)
+    hybrid     := '(' 'attn' ':' dims '|' 'ffn' ':' dims ')'   (either order; or without '( )', attn first)
     dims       := (letter size)+   letter in d p t m c e, size a positive integer, each letter once
+    name       := [A-Za-z_][A-Za-z0-9_]*
+
+Whitespace is allowed at the ends, around ``+``, ``|`` and ``:``, inside ``[ ]`` and ``( )``.
 
 Semantics (AReaL's): ``d`` data parallel (= number of generation servers), ``p`` pipeline,
 ``t`` or ``m`` tensor (the same dimension, so only one of them), ``c`` context, ``e`` expert.
-Missing dimensions are 1. A generation part may not use ``c`` or ``e``. Devices are d×p×t for
+Missing dimensions are 1. A generation component may not use ``c`` or ``e``. Devices are d×p×t for
 generation and d×p×t×c for training; ``e`` adds no devices (it must divide d×t×c). In an
 attn/ffn hybrid the attention world d×p×t×c must equal the ffn world d×p×t×e, and both use the
 same ``p``. ``fsdp`` has neither ``p`` nor ``e`` (use ``megatron`` for those). Dimensions without a
 backend (the legacy training part) mean our Megatron-style learner: backend ``megatron``.
 
-Components in one ``|`` group share devices, so they must have equal world sizes; there is at most
-one generation component; a generation component colocated with training makes the allocation
-kind ``colocated``. Unnamed components are called ``rollout`` (generation) and ``actor``
-(training); names must be distinct (``fsdp[actor]:d4|fsdp[critic]:d4``).
+Names (AReaL's rules): components in one ``|`` group have equal world sizes and every one after the
+first is named; with 3 or more components joined by ``+`` every one is named; names are distinct.
+A string without any name keeps the older rules: unnamed components are called ``rollout``
+(generation) and ``actor`` (training), so ``sglang:d4|fsdp:d4`` is the rollout colocated with the
+actor and ``sglang:d2+sglang:d2`` is refused (two components called ``rollout``). The order of the
+groups is free (``fsdp[actor]:d4+sglang[rollout]:d2``); a name gives the component its role
+(`allocation.spec.role_of`).
 
 Every failure is an `AllocationError` with a column and a hint; nothing else escapes
 `parse_allocation` for any ``str`` input. This module does not place anything on devices.
@@ -43,6 +49,7 @@ from allocation.errors import AllocationError
 from allocation.spec import (
     DEFAULT_GENERATION_NAME,
     DEFAULT_TRAINING_NAME,
+    EXPERT_BACKENDS,
     GENERATION_BACKENDS,
     TRAINING_BACKENDS,
     Allocation,
@@ -53,7 +60,9 @@ from allocation.spec import (
 
 _LETTERS = frozenset("abcdefghijklmnopqrstuvwxyz")
 _DIGITS = frozenset("0123456789")
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_NAME_HINT = "a name is a letter or '_' followed by letters, digits or '_' (AReaL's rule), e.g. fsdp[critic]:d4"
+_NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
+_NAME_CHARS = _NAME_START | _DIGITS
 _DIM_LETTERS = {"d": "dp", "p": "pp", "t": "tp", "m": "tp", "c": "cp", "e": "ep"}
 _DIM_WORDS = {"dp": "data", "pp": "pipeline", "tp": "tensor", "cp": "context", "ep": "expert"}
 _MAX_DIGITS = 6  # sizes up to 999999; keeps int() away from huge inputs
@@ -199,6 +208,12 @@ class _Parser:
             )
         word = self.read_letters()
         nxt = self.peek()
+        if len(word) > 1 and nxt.isspace():  # AReaL allows spaces between a backend and '[' or ':'
+            save = self.i
+            self.skip_ws()
+            nxt = self.peek()
+            if nxt not in ("[", ":"):
+                self.i, nxt = save, self.peek()
         if nxt not in (".", ":", "["):
             if len(word) == 1:
                 if word not in _DIM_LETTERS:
@@ -221,19 +236,21 @@ class _Parser:
         name_column = start
         if nxt == "[":
             self.i += 1
+            self.skip_ws()
             name_column = self.i
+            if self.peek() != "" and self.peek() not in _NAME_START and self.peek() != "]":
+                raise self.fail(f"bad component name, found {self.describe(self.i)}", self.i, _NAME_HINT)
             while self.i < len(self.s) and self.s[self.i] in _NAME_CHARS:
                 self.i += 1
             name = self.s[name_column : self.i]
+            self.skip_ws()
             if self.peek() != "]":
-                raise self.fail(
-                    f"bad component name, found {self.describe(self.i)}",
-                    self.i,
-                    "a name is letters, digits, '_' or '-' closed by ']', e.g. fsdp[critic]:d4",
-                )
+                raise self.fail(f"bad component name, found {self.describe(self.i)}", self.i,
+                                "close the name with ']'; " + _NAME_HINT)
             if not name:
                 raise self.fail("empty component name", name_column, "write a name inside [ ], e.g. fsdp[critic]:d4")
             self.i += 1
+            self.skip_ws()
             if self.peek() not in (".", ":"):
                 raise self.fail(
                     f"expected ':' after {word}[{name}], found {self.describe(self.i)}",
@@ -241,54 +258,73 @@ class _Parser:
                     f"write {word}[{name}]:d4",
                 )
         self.i += 1  # '.' or ':'
-        if self.peek() == "(":
+        self.skip_ws()
+        if self.peek() == "(" or self.starts_bare_hybrid():
             hybrid_column = self.i
-            if word != "megatron":
+            if word not in EXPERT_BACKENDS:
                 raise self.fail(
                     f"attention/ffn hybrid layout is not available for {word!r}",
                     hybrid_column,
-                    "only megatron takes (attn:...|ffn:...), e.g. megatron:(attn:d2p2t2c2|ffn:d2p2t2e2)",
+                    f"only {' and '.join(EXPERT_BACKENDS)} take (attn:...|ffn:...), "
+                    "e.g. megatron:(attn:d2p2t2c2|ffn:d2p2t2e2)",
                 )
             attn, ffn = self.parse_hybrid()
             return _Component(word, name, start, name_column, None, (attn, ffn))
         dims = self.parse_dims()
         return _Component(word, name, start, name_column, dims, None)
 
+    def starts_bare_hybrid(self) -> bool:
+        """At ``attn:`` without a '(' (AReaL's parentheses are optional: ``megatron:attn:d2t2|ffn:e4``)."""
+        if not self.s.startswith("attn", self.i):
+            return False
+        k = self.i + 4
+        while k < len(self.s) and self.s[k].isspace():
+            k += 1
+        return k < len(self.s) and self.s[k] == ":"
+
     def parse_hybrid(self) -> tuple[_Dims, _Dims]:
+        """``(attn:dims|ffn:dims)`` (either order), or without parentheses ``attn:dims|ffn:dims``."""
         open_col = self.i
-        self.i += 1
-        self.skip_ws()
+        paren = self.peek() == "("
+        if paren:
+            self.i += 1
+            self.skip_ws()
         parts: dict[str, _Dims] = {}
         while True:
             label_col = self.i
             label = self.read_letters()
-            if label not in ("attn", "ffn"):
+            if label not in ("attn", "ffn") or (not paren and label != ("attn" if not parts else "ffn")):
+                want = "'attn:' or 'ffn:' inside ( )" if paren else ("'attn:'" if not parts else "'ffn:' after '|'")
                 raise self.fail(
-                    f"expected 'attn:' or 'ffn:' inside ( ), found {self.describe(label_col)}",
+                    f"expected {want}, found {self.describe(label_col)}",
                     label_col,
                     "write (attn:d2p2t2c2|ffn:d2p2t2e2)",
                 )
             if label in parts:
                 raise self.fail(f"{label!r} given twice", label_col, "give one attn: and one ffn: layout")
+            self.skip_ws()
             if self.peek() != ":":
                 raise self.fail(
                     f"expected ':' after {label!r}, found {self.describe(self.i)}", self.i, f"write {label}:d2p2t2"
                 )
             self.i += 1
+            self.skip_ws()
             parts[label] = self.parse_dims()
+            if not paren and label == "ffn":
+                break
             self.skip_ws()
             ch = self.peek()
-            if ch == ")":
+            if ch == ")" and paren:
                 self.i += 1
                 break
             if ch == "|":
                 self.i += 1
                 self.skip_ws()
                 continue
-            if ch == "":
+            if ch == "" and paren:
                 raise self.fail("unclosed '('", open_col, "close the hybrid layout with ')'")
             raise self.fail(
-                f"expected '|' or ')' in the hybrid layout, found {self.describe(self.i)}",
+                f"expected {'| or )' if paren else '|ffn:'} in the hybrid layout, found {self.describe(self.i)}",
                 self.i,
                 "write (attn:d2p2t2c2|ffn:d2p2t2e2)",
             )
@@ -429,71 +465,52 @@ class _Parser:
         return TrainingSpec(backend, attn, name, None, column=comp.start)
 
     def assemble(self, groups: list[list[_Component]], plus_columns: list[int]) -> Allocation:
-        if len(groups) > 2:
+        """Names, pools and world sizes, by AReaL's rules (module docstring)."""
+        specs = [[self.generation_spec(c) if c.is_generation else self.training_spec(c) for c in g] for g in groups]
+        comps = [c for g in groups for c in g]
+        explicit = any(c.name is not None for c in comps)
+        # a colocated member after the first is named (a string without any name keeps the old
+        # unnamed `sglang:d4|fsdp:d4`: its members are told apart by their default names)
+        if explicit:
+            for g in groups:
+                for c in g[1:]:
+                    if c.name is None:
+                        raise self.fail(
+                            "components in a colocation group must have names",
+                            c.start,
+                            f"name every component after the first of a '|' group, e.g. "
+                            f"'{c.backend or 'megatron'}[critic]:...'",
+                        )
+        # with 3+ components joined by '+', every one is named
+        unnamed = [c for c in comps if c.name is None]
+        if len(groups) > 1 and len(comps) >= 3 and unnamed:
             raise self.fail(
-                "more than one '+'",
-                plus_columns[1],
-                "an allocation is 'generation+training'; use '|' for components sharing devices",
+                f"with 3 or more components all must have names; {len(unnamed)} unnamed",
+                unnamed[0].start,
+                "name each one, e.g. 'sglang[rollout]:d2+fsdp[actor]:d4+fsdp[critic]:d4'",
             )
-        gens = [c for g in groups for c in g if c.is_generation]
-        if len(gens) > 1:
-            raise self.fail(
-                "more than one generation component",
-                gens[1].start,
-                "use a single generation component; d sets the number of servers",
-            )
-        if len(groups) == 2:
-            left, right = groups
-            for comp in left:
-                if not comp.is_generation:
-                    raise self.fail(
-                        "the part left of '+' must be the generation servers",
-                        comp.start,
-                        "put a generation backend first, e.g. 'sglang:d4+fsdp:d8', or drop the '+'",
-                    )
-            for comp in right:
-                if comp.is_generation:
-                    raise self.fail(
-                        "a generation component right of '+'",
-                        comp.start,
-                        "put the generation component left of '+' and training on the right",
-                    )
-        generation = self.generation_spec(gens[0]) if gens else None
-        training_comps = [c for g in groups for c in g if not c.is_generation]
-        training = [self.training_spec(c) for c in training_comps]
-
-        # names must be distinct
-        seen: dict[str, int] = {}
-        named: list[tuple[str, _Component]] = []
-        if generation is not None:
-            named.append((generation.name, gens[0]))
-        named.extend((t.name, c) for t, c in zip(training, training_comps))
-        for nm, comp in named:
-            if nm in seen:
+        seen: set[str] = set()
+        for comp, spec in zip(comps, (s for g in specs for s in g)):
+            if spec.name in seen:
+                written = "" if comp.name is not None else f" (the default name of an unnamed {comp.backend or 'megatron'} component)"
                 raise self.fail(
-                    f"duplicate component name {nm!r}",
+                    f"duplicate component name {spec.name!r}{written}",
                     comp.name_column,
-                    "give each component a distinct name, e.g. 'fsdp[actor]:d4|fsdp[critic]:d4'",
+                    "give each component a distinct name, e.g. 'sglang[rollout]:d2+sglang[judge]:d1' or "
+                    "'fsdp[actor]:d4|fsdp[critic]:d4'",
                 )
-            seen[nm] = comp.start
-
-        # components sharing devices must have equal world sizes
-        colocated = len(groups) == 1 and generation is not None and bool(training)
-        shared: list[tuple[str, int, int]] = []  # (label, world size, column)
-        if colocated and generation is not None:
-            shared.append((f"{generation.backend}[{generation.name}]", generation.world_size, generation.column))
-        shared.extend((f"{t.backend}[{t.name}]", t.world_size, t.column) for t in training)
-        if shared:
-            first_label, first_world, _ = shared[0]
-            for label, world, column in shared[1:]:
-                if world != first_world:
+            seen.add(spec.name)
+        # components sharing devices have equal world sizes
+        for g in specs:
+            for spec in g[1:]:
+                if spec.world_size != g[0].world_size:
                     raise self.fail(
-                        f"colocated components share devices but {label} uses {world} and "
-                        f"{first_label} uses {first_world}",
-                        column,
-                        f"give both the same world size ({first_world} devices), or separate them with '+'",
+                        f"colocated components must have matching world sizes: {spec.backend}[{spec.name}] uses "
+                        f"{spec.world_size} devices and {g[0].backend}[{g[0].name}] {g[0].world_size}",
+                        spec.column,
+                        f"give both the same world size ({g[0].world_size} devices), or separate them with '+'",
                     )
-        return Allocation(generation, tuple(training), colocated, source=self.s)
+        return Allocation(tuple(tuple(g) for g in specs), source=self.s)
 
 
 def parse_allocation(text: str) -> Allocation:

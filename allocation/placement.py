@@ -2,9 +2,9 @@
 
 What it decides:
 
-* **Order.** Generation servers come first, then the training components (decoupled). Colocated
-  components (a ``|`` group) share one list of devices: every component of the group maps its
-  ranks, or servers, onto that same list in order.
+* **Order.** The pools (``+``) in the order written, each on devices of its own; the components of
+  a pool (``|``) share one list of devices: every component of the pool maps its ranks, or
+  servers, onto that same list in order.
 * **Generation servers.** Server ``i`` gets ``p×t`` consecutive devices on one node; a server that
   would straddle a node boundary starts on the next node instead (the skipped devices stay idle).
   Only a server larger than a node (``p×t > devices_per_node``) spans nodes, and then it starts on
@@ -33,7 +33,7 @@ from typing import Any
 
 from allocation.errors import AllocationError
 from allocation.parser import parse_allocation
-from allocation.spec import Allocation, TrainingSpec
+from allocation.spec import Allocation, GenerationSpec, TrainingSpec
 
 DEFAULT_DEVICES_PER_NODE = 8
 MAX_PLACED_DEVICES = 1 << 20
@@ -87,23 +87,45 @@ class ComponentPlacement:
 
 
 @dataclass(frozen=True)
+class GenerationPlacement:
+    """All servers of one generation component (rollout, judge, teacher, ...)."""
+
+    spec: GenerationSpec
+    servers: tuple[ServerPlacement, ...]
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where every server and learner rank of an allocation runs."""
 
     allocation: Allocation
     nodes: int
     devices_per_node: int
-    servers: tuple[ServerPlacement, ...]
+    generation: tuple[GenerationPlacement, ...]
     training: tuple[ComponentPlacement, ...]
 
     @property
+    def servers(self) -> tuple[ServerPlacement, ...]:
+        """The rollout servers (`Allocation.generation`), or () without them."""
+        gen = self.allocation.generation
+        return next((g.servers for g in self.generation if g.spec is gen), ())
+
+    @property
     def ranks(self) -> tuple[RankPlacement, ...]:
-        """Ranks of the first (primary) training component, or () without training."""
-        return self.training[0].ranks if self.training else ()
+        """Ranks of the actor (`Allocation.training`), or () without it."""
+        actor = self.allocation.training
+        return next((c.ranks for c in self.training if c.spec is actor), ())
+
+    def component(self, name: str) -> GenerationPlacement | ComponentPlacement:
+        """The placement of the component called `name`."""
+        for c in (*self.generation, *self.training):
+            if c.spec.name == name:
+                return c
+        raise KeyError(f"no component named {name!r} in {self.allocation}")
 
     @property
     def used_devices(self) -> frozenset[tuple[int, int]]:
-        used = {slot for s in self.servers for slot in s.slots}
+        used = {slot for g in self.generation for s in g.servers for slot in s.slots}
         used.update((r.node, r.device) for c in self.training for r in c.ranks)
         return frozenset(used)
 
@@ -112,35 +134,43 @@ class Placement:
         return self.nodes * self.devices_per_node
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape printed by ``launcher plan --json``."""
+        """The JSON shape printed by ``launcher plan --json``: ``generation`` (the rollout servers) and
+        ``training`` (the actor), and ``components``: every component in order with its role and pool."""
         alloc = self.allocation
-        gen: dict[str, Any] | None = None
-        if alloc.generation is not None:
-            g = alloc.generation
-            gen = {
-                "backend": g.backend,
-                "name": g.name,
-                "dp": g.dp,
-                "tp": g.tp,
-                "pp": g.pp,
-                "server_size": g.server_size,
-                "world_size": g.world_size,
-                "servers": [
-                    {"index": s.index, "node": s.node, "devices": list(s.devices), "nodes": list(s.nodes)}
-                    for s in self.servers
-                ],
-            }
-        components = [_component_dict(c) for c in self.training]
+        gens = {id(g.spec): _generation_dict(g) for g in self.generation}
+        trains = {id(c.spec): _component_dict(c) for c in self.training}
+        components = []
+        for pool, group in enumerate(alloc.groups):
+            for spec in group:
+                d = gens.get(id(spec)) or trains[id(spec)]
+                components.append({"pool": pool, "role": spec.role,
+                                   "kind": "generation" if isinstance(spec, GenerationSpec) else "training", **d})
         return {
             "allocation": str(alloc),
             "total_devices": alloc.total_devices,
             "kind": alloc.kind,
             "nodes": self.nodes,
             "devices_per_node": self.devices_per_node,
-            "generation": gen,
-            "training": components[0] if components else None,
-            "colocated_training": components[1:],
+            "generation": gens[id(alloc.generation)] if alloc.generation is not None else None,
+            "training": trains[id(alloc.training)] if alloc.training is not None else None,
+            "components": components,
         }
+
+
+def _generation_dict(g: GenerationPlacement) -> dict[str, Any]:
+    s = g.spec
+    return {
+        "backend": s.backend,
+        "name": s.name,
+        "dp": s.dp,
+        "tp": s.tp,
+        "pp": s.pp,
+        "server_size": s.server_size,
+        "world_size": s.world_size,
+        "servers": [
+            {"index": v.index, "node": v.node, "devices": list(v.devices), "nodes": list(v.nodes)} for v in g.servers
+        ],
+    }
 
 
 def _component_dict(c: ComponentPlacement) -> dict[str, Any]:
@@ -208,8 +238,9 @@ def _block_size(sizes: list[int]) -> int:
     return block
 
 
-def _layout(alloc: Allocation, devices_per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Global device indexes per server and per training component (rank order)."""
+def _layout(alloc: Allocation, devices_per_node: int) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """Global device indexes: per generation component its servers', per training component its ranks'
+    (rank order); both in the order of `Allocation.generation_components` / `training_components`."""
     if alloc.total_devices > MAX_PLACED_DEVICES:
         raise AllocationError(
             f"the plan needs {alloc.total_devices} devices; placement handles at most {MAX_PLACED_DEVICES}",
@@ -217,27 +248,28 @@ def _layout(alloc: Allocation, devices_per_node: int) -> tuple[list[list[int]], 
             0,
             "use smaller d, p, t or c sizes",
         )
-    gen = alloc.generation
     cursor = _Cursor(devices_per_node)
-    tps: list[int] = []
-    for t in alloc.training_components:
-        tps.append(t.tp)
-        if t.ffn is not None:
-            tps.append(t.ffn.tp)
-    servers: list[list[int]] = []
-    if alloc.colocated and gen is not None:
-        world = alloc.total_devices
-        shared = cursor.take_group(world, _block_size([*tps, gen.server_size]))
-        servers = [shared[i * gen.server_size : (i + 1) * gen.server_size] for i in range(gen.num_servers)]
-        return servers, [shared[: t.world_size] for t in alloc.training_components]
-    if gen is not None:
-        servers = [cursor.take(gen.server_size) for _ in range(gen.num_servers)]
-    training: list[list[int]] = []
-    if alloc.training_components:
-        world = alloc.training_components[0].world_size
-        shared = cursor.take_group(world, _block_size(tps))
-        training = [shared[: t.world_size] for t in alloc.training_components]
-    return servers, training
+    servers: dict[int, list[list[int]]] = {}
+    ranks: dict[int, list[int]] = {}
+    for group in alloc.groups:
+        if len(group) == 1 and isinstance(group[0], GenerationSpec):  # servers on their own: one by one
+            gen = group[0]
+            servers[id(gen)] = [cursor.take(gen.server_size) for _ in range(gen.num_servers)]
+            continue
+        sizes: list[int] = []
+        for c in group:
+            if isinstance(c, GenerationSpec):
+                sizes.append(c.server_size)
+            else:
+                sizes.extend([c.tp] + ([c.ffn.tp] if c.ffn is not None else []))
+        shared = cursor.take_group(Allocation.group_devices(group), _block_size(sizes))
+        for c in group:
+            if isinstance(c, GenerationSpec):
+                servers[id(c)] = [shared[i * c.server_size : (i + 1) * c.server_size] for i in range(c.num_servers)]
+            else:
+                ranks[id(c)] = shared[: c.world_size]
+    return ([servers[id(g)] for g in alloc.generation_components],
+            [ranks[id(t)] for t in alloc.training_components])
 
 
 def nodes_needed(alloc: Allocation, devices_per_node: int) -> int:
@@ -250,7 +282,7 @@ def nodes_needed(alloc: Allocation, devices_per_node: int) -> int:
             "pass --devices-per-node 1 or more",
         )
     servers, training = _layout(alloc, devices_per_node)
-    highest = max((d for group in (*servers, *training) for d in group), default=-1)
+    highest = max((d for group in (*(s for gs in servers for s in gs), *training) for d in group), default=-1)
     return max(1, highest // devices_per_node + 1)
 
 
@@ -320,8 +352,10 @@ def place(
             f"{need} nodes × {g}: pass --nodes {need}",
         )
     server_idx, training_idx = _layout(alloc, g)
-    servers = tuple(
-        ServerPlacement(i, tuple((d // g, d % g) for d in devs)) for i, devs in enumerate(server_idx)
+    gens = tuple(
+        GenerationPlacement(spec, tuple(ServerPlacement(i, tuple((d // g, d % g) for d in devs))
+                                        for i, devs in enumerate(idx)))
+        for spec, idx in zip(alloc.generation_components, server_idx)
     )
     comps: list[ComponentPlacement] = []
     for spec, devs in zip(alloc.training_components, training_idx):
@@ -330,6 +364,6 @@ def place(
             dp_rank, pp_rank, cp_rank, tp_rank = _coordinates(spec, r)
             ranks.append(RankPlacement(spec.name, r, d // g, d % g, dp_rank, pp_rank, cp_rank, tp_rank))
         comps.append(ComponentPlacement(spec, tuple(ranks)))
-    return Placement(alloc, nodes, g, servers, tuple(comps))
+    return Placement(alloc, nodes, g, gens, tuple(comps))
 
 

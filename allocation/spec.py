@@ -4,16 +4,19 @@
 grammar). It knows its kind, how many devices it needs, and how to print itself as a canonical
 modern string (``str(alloc)``) that parses back to an equal value.
 
+Pools and roles: components separated by ``+`` get devices of their own, those joined by ``|`` share
+one pool (equal world sizes). Every component has a name (written ``backend[name]:dims``; unnamed ones are
+``rollout`` for generation and ``actor`` for training) and a role (`role_of`): ``rollout``, ``actor``,
+``critic``, ``ref``, ``judge`` or ``teacher``. A run's rollout servers are ``Allocation.generation`` and
+its actor ``Allocation.training``; the other components (a critic pool, a judge's or a teacher's servers)
+are in ``Allocation.components``.
+
 Kinds (``Allocation.kind``):
     ``generation_only``  only generation servers (``sglang:d4``).
     ``train_only``       only learner components (``megatron:d8p2``, ``fsdp[actor]:d4|fsdp[critic]:d4``).
-    ``decoupled``        generation and training on separate devices (``sglang:d4+fsdp:d8``);
-                         the devices needed are the sum of both sides.
-    ``colocated``        generation and training share the same devices (``sglang:d4|fsdp:d4``);
-                         the devices needed are the common world size.
-Colocated *training* components (``fsdp[actor]:d4|fsdp[critic]:d4``) always share one set of
-devices, whatever the kind; they do not make the whole allocation "colocated" unless a generation
-component is in the same ``|`` group.
+    ``decoupled``        the rollout servers and the actor on separate devices (``sglang:d4+fsdp:d8``).
+    ``colocated``        the rollout servers share the actor's devices (``sglang:d4|fsdp[actor]:d4``).
+The devices needed are the sum over the pools (``Allocation.total_devices``), as AReaL counts them.
 
 This module does not parse strings and does not place anything on devices.
 """
@@ -29,11 +32,26 @@ GENERATION_BACKENDS: tuple[str, ...] = ("sglang", "embedded", "vllm")
 """Generation backends the parser accepts."""
 RUNNABLE_GENERATION_BACKENDS: tuple[str, ...] = ("sglang", "embedded")
 """Generation backends areal_like can actually launch (vllm is parse-only)."""
-TRAINING_BACKENDS: tuple[str, ...] = ("megatron", "fsdp")
-"""Training backends. A legacy string without a training backend means ``megatron``."""
+TRAINING_BACKENDS: tuple[str, ...] = ("megatron", "fsdp", "archon")
+"""Training backends the parser accepts. A legacy string without a training backend means ``megatron``."""
+RUNNABLE_TRAINING_BACKENDS: tuple[str, ...] = ("megatron", "fsdp")
+"""Training backends areal_like's learner runs (archon is parse-only)."""
+EXPERT_BACKENDS: tuple[str, ...] = ("megatron", "archon")
+"""Training backends with pipeline and expert parallelism and the attn/ffn hybrid layout."""
 
 DEFAULT_GENERATION_NAME = "rollout"
 DEFAULT_TRAINING_NAME = "actor"
+
+ROLES: tuple[str, ...] = ("rollout", "actor", "critic", "ref", "judge", "teacher")
+"""A component named one of these has that role; any other name takes its backend's role: ``rollout`` for a
+generation backend (``sglang[gen]``, ``sglang[rollout2]``), ``actor`` for a training one."""
+
+
+def role_of(name: str, generation: bool) -> str:
+    """The role of a component called `name` (see `ROLES`)."""
+    if name in ROLES:
+        return name
+    return DEFAULT_GENERATION_NAME if generation else DEFAULT_TRAINING_NAME
 
 Kind = Literal["generation_only", "train_only", "decoupled", "colocated"]
 
@@ -98,9 +116,17 @@ class GenerationSpec:
     def runnable(self) -> bool:
         return self.backend in RUNNABLE_GENERATION_BACKENDS
 
-    def __str__(self) -> str:
-        name = "" if self.name == DEFAULT_GENERATION_NAME else f"[{self.name}]"
+    @property
+    def role(self) -> str:
+        return role_of(self.name, generation=True)
+
+    def text(self, named: bool = False) -> str:
+        """``backend[name]:dims``; the name only when `named` or not the default."""
+        name = f"[{self.name}]" if named or self.name != DEFAULT_GENERATION_NAME else ""
         return f"{self.backend}{name}:{_dims_str(self.dp, self.pp, self.tp)}"
+
+    def __str__(self) -> str:
+        return self.text()
 
 
 @dataclass(frozen=True)
@@ -148,37 +174,86 @@ class TrainingSpec:
         """Devices used: d×p×t×c of the (attention) layout; expert parallelism adds none."""
         return self.attn.attn_world_size
 
-    def __str__(self) -> str:
-        name = "" if self.name == DEFAULT_TRAINING_NAME else f"[{self.name}]"
+    @property
+    def runnable(self) -> bool:
+        return self.backend in RUNNABLE_TRAINING_BACKENDS
+
+    @property
+    def role(self) -> str:
+        return role_of(self.name, generation=False)
+
+    def text(self, named: bool = False) -> str:
+        """``backend[name]:dims`` (or ``:(attn:…|ffn:…)``); the name only when `named` or not the default."""
+        name = f"[{self.name}]" if named or self.name != DEFAULT_TRAINING_NAME else ""
         if self.ffn is not None:
             return f"{self.backend}{name}:(attn:{self.attn}|ffn:{self.ffn})"
         return f"{self.backend}{name}:{self.attn}"
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+Component = GenerationSpec | TrainingSpec
+"""One parsed component: a generation pool (servers) or a learner pool (ranks)."""
 
 
 @dataclass(frozen=True)
 class Allocation:
     """A parsed allocation string. Build one with `allocation.parse_allocation`.
 
-    ``generation`` is None or the one generation component; ``training_components`` holds every
-    learner component (all of them share one set of devices); ``training`` is the first of them.
-    ``colocated`` is True when generation shares its devices with training.
+    ``groups`` are the device pools in the order written (``+`` separates them); the components of one
+    group (``|``) share that group's devices and have equal world sizes. Each component has a name and a
+    role (`role_of`). The run's two main components are ``generation`` (the rollout servers) and
+    ``training`` (the actor); ``colocated`` is True when they share a group.
     """
 
-    generation: GenerationSpec | None
-    training_components: tuple[TrainingSpec, ...] = ()
-    colocated: bool = False
+    groups: tuple[tuple[Component, ...], ...] = ()
     source: str = field(default="", compare=False, repr=False)
     """The string this was parsed from (for error messages; not part of the value)."""
 
     @property
+    def components(self) -> tuple[Component, ...]:
+        """Every component, in the order written."""
+        return tuple(c for g in self.groups for c in g)
+
+    @property
+    def generation(self) -> GenerationSpec | None:
+        """The rollout servers: the first generation component whose role is ``rollout``."""
+        return next((c for c in self.components if isinstance(c, GenerationSpec) and c.role == "rollout"), None)
+
+    @property
+    def generation_components(self) -> tuple[GenerationSpec, ...]:
+        """Every generation component (rollout, judge, teacher, ...), in order."""
+        return tuple(c for c in self.components if isinstance(c, GenerationSpec))
+
+    @property
+    def training_components(self) -> tuple[TrainingSpec, ...]:
+        """Every learner component (actor, critic, ...), in order."""
+        return tuple(c for c in self.components if isinstance(c, TrainingSpec))
+
+    @property
     def training(self) -> TrainingSpec | None:
-        return self.training_components[0] if self.training_components else None
+        """The actor: the first learner component whose role is ``actor``."""
+        return next((c for c in self.training_components if c.role == "actor"), None)
+
+    @property
+    def colocated(self) -> bool:
+        """The rollout servers share their devices with the actor."""
+        gen, train = self.generation, self.training
+        return gen is not None and train is not None and self.group_of(gen) == self.group_of(train)
+
+    def group_of(self, comp: Component) -> int:
+        """Index of the device pool `comp` belongs to."""
+        for i, g in enumerate(self.groups):
+            if any(c is comp for c in g):
+                return i
+        raise ValueError(f"{comp} is not a component of {self}")
 
     @property
     def kind(self) -> Kind:
-        if self.training is None:
+        if not self.training_components:
             return "generation_only"
-        if self.generation is None:
+        if not self.generation_components:
             return "train_only"
         return "colocated" if self.colocated else "decoupled"
 
@@ -190,31 +265,39 @@ class Allocation:
     def training_devices(self) -> int:
         return self.training.world_size if self.training is not None else 0
 
+    @staticmethod
+    def group_devices(group: tuple[Component, ...]) -> int:
+        """Devices of one pool: its components' common world size."""
+        return group[0].world_size if group else 0
+
     @property
     def total_devices(self) -> int:
-        """Devices the allocation needs: generation + training, or their shared size if colocated."""
-        if self.colocated:
-            return max(self.generation_devices, self.training_devices)
-        return self.generation_devices + self.training_devices
+        """Devices the allocation needs: the sum over its pools (components sharing a pool count once)."""
+        return sum(self.group_devices(g) for g in self.groups)
 
     def require_runnable(self) -> None:
-        """Raise `AllocationError` if a component is parse-only here (vllm)."""
-        gen = self.generation
-        if gen is not None and not gen.runnable:
-            source = self.source or str(self)
-            column = gen.column if self.source else 0
-            runnable = " or ".join(RUNNABLE_GENERATION_BACKENDS)
+        """Raise `AllocationError` if a component is parse-only here (vllm, archon)."""
+        source = self.source or str(self)
+        for comp in self.components:
+            if comp.runnable:
+                continue
+            column = comp.column if self.source else 0
+            if isinstance(comp, GenerationSpec):
+                runnable = " or ".join(RUNNABLE_GENERATION_BACKENDS)
+                example = str(self).replace(comp.backend, "sglang", 1)
+            else:
+                runnable = " or ".join(RUNNABLE_TRAINING_BACKENDS)
+                example = str(self).replace(comp.backend, "megatron", 1)
+            kind = "generation" if isinstance(comp, GenerationSpec) else "training"
             raise AllocationError(
-                f"generation backend {gen.backend!r} can be planned but not run by areal_like",
+                f"{kind} backend {comp.backend!r} can be planned but not run by areal_like",
                 source,
                 column,
-                f"use {runnable} instead, e.g. {str(self).replace(gen.backend, 'sglang', 1)!r}",
+                f"use {runnable} instead, e.g. {example!r}",
             )
 
     def __str__(self) -> str:
-        train = "|".join(str(t) for t in self.training_components)
-        if self.generation is None:
-            return train
-        if not train:
-            return str(self.generation)
-        return f"{self.generation}{'|' if self.colocated else '+'}{train}"
+        """Canonical modern string, valid in AReaL's grammar too: names are written where it needs them
+        (with 3+ components every one; a colocated member after the first) or where not the default."""
+        every = len(self.components) >= 3
+        return "+".join("|".join(c.text(named=every or i > 0) for i, c in enumerate(g)) for g in self.groups)

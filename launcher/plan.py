@@ -28,6 +28,7 @@ from allocation.errors import AllocationError
 from allocation.parser import parse_allocation
 from allocation.memory import format_memory
 from allocation.placement import Placement, place
+from allocation.spec import GenerationSpec
 
 
 def _devices_text(nodes: tuple[int, ...], devices: tuple[int, ...]) -> str:
@@ -37,15 +38,17 @@ def _devices_text(nodes: tuple[int, ...], devices: tuple[int, ...]) -> str:
 
 
 def format_table(plan: Placement) -> str:
-    """Human-readable plan: one row per server and learner rank, then totals."""
+    """Human-readable plan: one row per server and learner rank of every component (with its role),
+    then a line per component (its pool: components joined by '|' share one) and the totals."""
     alloc = plan.allocation
-    rows: list[tuple[str, str, str, str, str]] = []
-    gen = alloc.generation
-    if gen is not None:
-        for s in plan.servers:
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    for g in plan.generation:
+        gen = g.spec
+        for s in g.servers:
             rows.append(
                 (
                     f"generation/{gen.name}",
+                    gen.role,
                     str(s.index),
                     ",".join(str(n) for n in dict.fromkeys(s.nodes)),
                     _devices_text(s.nodes, s.devices),
@@ -58,8 +61,8 @@ def format_table(plan: Placement) -> str:
             coords = f"dp={r.dp_rank} pp={r.pp_rank} tp={r.tp_rank}"
             if t.cp > 1:
                 coords += f" cp={r.cp_rank}"
-            rows.append((f"training/{t.name}", str(r.rank), str(r.node), str(r.device), coords))
-    header = ("role", "index", "node", "devices", "coordinates")
+            rows.append((f"training/{t.name}", t.role, str(r.rank), str(r.node), str(r.device), coords))
+    header = ("component", "role", "index", "node", "devices", "coordinates")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [
         f"allocation: {alloc}  (kind {alloc.kind})",
@@ -70,19 +73,23 @@ def format_table(plan: Placement) -> str:
     ]
     lines.extend("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
     lines.append("")
-    if gen is not None:
-        lines.append(
-            f"generation: {gen.num_servers} {gen.backend} server(s) × {gen.server_size} device(s) "
-            f"= {gen.world_size} devices"
-        )
-    for comp in plan.training:
-        t = comp.spec
-        grid = f"dp {t.dp} × pp {t.pp} × tp {t.tp}" + (f" × cp {t.cp}" if t.cp > 1 else "")
-        extra = f", ep {t.ep}" if t.ep > 1 else ""
-        if t.ffn is not None:
-            extra += f", ffn dp {t.ffn.dp} × pp {t.ffn.pp} × tp {t.ffn.tp} × ep {t.ffn.ep}"
-        lines.append(f"training:   {t.name} ({t.backend}) {len(comp.ranks)} ranks = {grid}{extra}")
-    shared = " (colocated: generation and training share devices)" if alloc.colocated else ""
+    for pool, group in enumerate(alloc.groups):
+        for spec in group:
+            others = [c.name for c in group if c is not spec]
+            where = f"pool {pool}" + (f", shared with {', '.join(others)}" if others else "")
+            if isinstance(spec, GenerationSpec):
+                lines.append(
+                    f"generation: {spec.name} (role {spec.role}, {spec.backend}) {spec.num_servers} server(s) × "
+                    f"{spec.server_size} device(s) = {spec.world_size} devices  [{where}]"
+                )
+                continue
+            grid = f"dp {spec.dp} × pp {spec.pp} × tp {spec.tp}" + (f" × cp {spec.cp}" if spec.cp > 1 else "")
+            extra = f", ep {spec.ep}" if spec.ep > 1 else ""
+            if spec.ffn is not None:
+                extra += f", ffn dp {spec.ffn.dp} × pp {spec.ffn.pp} × tp {spec.ffn.tp} × ep {spec.ffn.ep}"
+            lines.append(f"training:   {spec.name} (role {spec.role}, {spec.backend}) {spec.world_size} ranks = "
+                         f"{grid}{extra}  [{where}]")
+    shared = " (colocated: the rollout servers share the actor's devices)" if alloc.colocated else ""
     lines.append(
         f"total:      {alloc.total_devices} devices needed, {len(plan.used_devices)} used "
         f"of {plan.cluster_devices}{shared}"

@@ -110,8 +110,21 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
             f"allocation {cfg.allocation!r} is {alloc.kind}: `launcher run` needs a generation part and a "
             "training part, e.g. --allocation embedded.d1p1t1+d1p1t1"
         )
-    if gen.backend == "vllm":
-        raise RunError("generation backend 'vllm' is parsed but not run by areal_like: use 'embedded' or 'sglang'")
+    extra = [c for c in alloc.components if c is not gen and c is not train]
+    if extra:
+        names = ", ".join(f"{c.backend}[{c.name}] (role {c.role})" for c in extra)
+        raise RunError(
+            f"allocation {cfg.allocation!r} names components `launcher run` does not start yet: {names}. A run "
+            f"starts one rollout pool ({gen.backend}[{gen.name}]) and one actor pool ({train.backend}[{train.name}]); "
+            "the critic trains inside the actor's ranks (algorithm.adv_estimator=gae) and the reference model "
+            "inside the actor's process: remove the other components from --allocation"
+        )
+    from allocation import AllocationError
+
+    try:
+        alloc.require_runnable()
+    except AllocationError as e:
+        raise RunError(str(e)) from None
     if gen.backend == "sglang":
         from areal_like.engine.sglang_args import SGLangNotInstalled, require_sglang
 

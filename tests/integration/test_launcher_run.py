@@ -53,14 +53,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("eta,workers,learner", [(0, 1, "d1p1t1"), (0, 2, "d1p1t1"), (2, 2, "d1p1t1"),
-                                                 (1, 1, "d2p1t1")])
-def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, workers, learner):
+@pytest.mark.parametrize("eta,workers,allocation", [(0, 1, "embedded.d1p1t1+d1p1t1"), (0, 2, "embedded.d1p1t1+d1p1t1"),
+                                                    (2, 2, "embedded.d1p1t1+d1p1t1"),
+                                                    (1, 1, "embedded[rollout]:d1 + megatron[actor]:d2")])
+def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, workers, allocation):
     run_dir = tmp_path / "run"
     steps = 4
     proc = _launch(run_dir, demo_assets, f"rollout.max_staleness={eta}", f"rollout.workers={workers}",
                    f"train.total_steps={steps}", "train.batch_size=2", "generation.n=4",
-                   allocation=f"embedded.d1p1t1+{learner}")
+                   allocation=allocation)
     rc, out = _finish(proc)
     assert rc == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -81,7 +82,7 @@ def test_run_completes_within_staleness_bound(tmp_path, demo_assets, eta, worker
     # what the learner measured reaches the row, the once-dropped statistics too (docs/metrics.md)
     assert all(r["lr"] == pytest.approx(1e-3) and r["num_groups"] == 2 and r["push_buckets"] >= 1 for r in rows)
     assert all(r["reward_std"] >= 0 and r["critic_lr"] is None and r["version_lag_max"] >= 0 for r in rows)
-    if learner == "d2p1t1":  # a two-rank pool: both ranks ran, and both are gone afterwards
+    if "d2" in allocation:  # a two-rank pool (named components): both ranks ran, and both are gone afterwards
         assert {"learner", "learner1"} <= set(json.loads((run_dir / "pids.json").read_text())["roles"])
         assert (run_dir / "logs" / "learner1.log").exists()
     targets = json.loads((run_dir / "prometheus_targets.json").read_text())
@@ -194,7 +195,11 @@ def test_unrunnable_allocations_fail_before_starting(tmp_path):
     import importlib.util
 
     cases = [("embedded.d1p1t1", "training part"), ("vllm.d1p1t1+d1p1t1", "vllm"),
-             ("embedded.d1p1t2+d1p1t1", "one device per server"), ("embedded.d1+d1x", "invalid allocation")]
+             ("embedded.d1p1t2+d1p1t1", "one device per server"), ("embedded.d1+d1x", "invalid allocation"),
+             # named components beyond one rollout and one actor pool are planned (launcher plan) but not started
+             ("embedded[rollout]:d1+megatron[actor]:d1+embedded[judge]:d1", "embedded[judge] (role judge)"),
+             ("embedded[rollout]:d1+fsdp[actor]:d1|fsdp[critic]:d1", "fsdp[critic] (role critic)"),
+             ("embedded:d1+archon:d1", "training backend 'archon' can be planned but not run")]
     if importlib.util.find_spec("sglang") is None:  # on GPU machines with sglang this one would start
         cases.append(("sglang.d1p1t1+d1p1t1", "scripts/setup.sh --sglang"))  # names server.python too
     for alloc, words in cases:

@@ -30,6 +30,9 @@ CASES = [
     ("megatron:d2p2t2c2", 4, 4),
     ("sglang:d4p2t2+megatron:(attn:d2p2t2c2|ffn:d2p2t2e2)", 4, 8),
     ("sglang[rollout]:d2+fsdp[actor]:d4|fsdp[critic]:d2t2", 1, 8),
+    ("sglang[rollout]:d2+fsdp[actor]:d4+fsdp[critic]:d2t2+sglang[judge]:t2", 2, 8),
+    ("fsdp[actor]:d4+sglang[rollout]:d2t2", 1, 8),
+    ("sglang[rollout]:d4|fsdp[actor]:d4+sglang[teacher]:d2t2", 2, 4),
     ("sglang:d2t2|megatron:d2t2", 1, 4),
     ("sglang:d2t4|fsdp:d8", 2, 4),
     ("sglang:d2t16+megatron:d4t2", 5, 8),
@@ -38,32 +41,43 @@ CASES = [
 ]
 
 
+def _pool_slots(plan: Placement) -> list[list[frozenset]]:
+    """Per pool (``+``), the set of devices of each of its components."""
+    alloc = plan.allocation
+    out = []
+    for group in alloc.groups:
+        sets = []
+        for spec in group:
+            c = plan.component(spec.name)
+            if hasattr(c, "servers"):
+                slots = [slot for s in c.servers for slot in s.slots]
+            else:
+                slots = [(r.node, r.device) for r in c.ranks]
+            assert len(slots) == len(set(slots)) == spec.world_size  # a component uses a device once
+            sets.append(frozenset(slots))
+        out.append(sets)
+    return out
+
+
 def _check_invariants(plan: Placement) -> None:
     alloc = plan.allocation
     g = plan.devices_per_node
     in_cluster = {(n, d) for n in range(plan.nodes) for d in range(g)}
-    # every slot exists in the cluster
-    for s in plan.servers:
-        assert set(s.slots) <= in_cluster
-    for comp in plan.training:
-        assert {(r.node, r.device) for r in comp.ranks} <= in_cluster
-    # each side uses a device at most once
-    server_slots = [slot for s in plan.servers for slot in s.slots]
-    assert len(server_slots) == len(set(server_slots))
-    for comp in plan.training:
-        slots = [(r.node, r.device) for r in comp.ranks]
-        assert len(slots) == len(set(slots)) == comp.spec.world_size
-    # generation and training share devices only when colocated; colocated training components share
-    train_sets = [frozenset((r.node, r.device) for r in comp.ranks) for comp in plan.training]
-    assert all(t == train_sets[0] for t in train_sets)
-    if train_sets and server_slots:
-        overlap = set(server_slots) & train_sets[0]
-        if alloc.colocated:
-            assert overlap == set(server_slots) == train_sets[0]
-        else:
-            assert not overlap
-            # generation devices first
-            assert max(n * g + d for n, d in server_slots) < min(n * g + d for n, d in train_sets[0])
+    pools = _pool_slots(plan)
+    for sets in pools:
+        # every slot exists in the cluster; the components of a pool share its devices
+        assert all(s <= in_cluster for s in sets)
+        assert all(s == sets[0] for s in sets)
+    # pools are disjoint and laid out in the order written
+    firsts = [s[0] for s in pools]
+    for a, b in zip(firsts, firsts[1:]):
+        assert not a & b
+        assert max(n * g + d for n, d in a) < min(n * g + d for n, d in b)
+    if alloc.generation is not None and alloc.training is not None:
+        gen_slots = {slot for s in plan.servers for slot in s.slots}
+        train_slots = {(r.node, r.device) for r in plan.ranks}
+        assert (gen_slots == train_slots) == alloc.colocated
+        assert bool(gen_slots & train_slots) == alloc.colocated
     assert len(plan.used_devices) == alloc.total_devices
     # generation: one server per dp replica of p*t devices, inside one node unless larger than one
     gen = alloc.generation
@@ -189,4 +203,22 @@ def test_to_dict_schema() -> None:
         "tp_rank": 0,
         "cp_rank": 0,
     }
-    assert d["colocated_training"] == []
+    assert [(c["pool"], c["role"], c["kind"], c["name"]) for c in d["components"]] == [
+        (0, "rollout", "generation", "rollout"), (1, "actor", "training", "actor")]
+
+
+def test_every_component_gets_its_own_pool_or_shares_one() -> None:
+    text = "sglang[rollout]:d2t2+fsdp[actor]:d4|fsdp[critic]:d4+sglang[judge]:d1t2+sglang[teacher]:d2"
+    plan = place(text, nodes=2, devices_per_node=8)
+    _check_invariants(plan)
+    d = plan.to_dict()
+    assert d["total_devices"] == 4 + 4 + 2 + 2
+    comps = {c["name"]: c for c in d["components"]}
+    assert [(c["pool"], c["role"]) for c in d["components"]] == [
+        (0, "rollout"), (1, "actor"), (1, "critic"), (2, "judge"), (3, "teacher")]
+    assert [s["devices"] for s in comps["rollout"]["servers"]] == [[0, 1], [2, 3]]
+    assert [r["device"] for r in comps["critic"]["ranks"]] == [r["device"] for r in comps["actor"]["ranks"]] == [4, 5, 6, 7]
+    assert [s["devices"] for s in comps["judge"]["servers"]] == [[0, 1]] and comps["judge"]["servers"][0]["node"] == 1
+    assert [s["devices"] for s in comps["teacher"]["servers"]] == [[2], [3]]
+    assert d["generation"]["name"] == "rollout" and d["training"]["name"] == "actor"
+

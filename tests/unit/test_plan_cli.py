@@ -131,3 +131,26 @@ def test_bad_input_exits_2_with_message(args: list[str], word: str) -> None:
     assert word in proc.stderr
     assert "^" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_named_components_each_printed_with_role_pool_and_devices() -> None:
+    text = "sglang[rollout]:d2t2 + fsdp[actor]:d4|fsdp[critic]:d4 + sglang[judge]:d1t2 + sglang[teacher]:d2"
+    proc = _run("--allocation", text, "--devices-per-node", "8")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    rows = [ln.split() for ln in lines if ln.startswith(("generation/", "training/"))]
+    assert [(r[0], r[1]) for r in rows].count(("generation/judge", "judge")) == 1
+    assert [(r[0], r[1]) for r in rows].count(("training/critic", "critic")) == 4
+    assert [(r[0], r[1], r[4]) for r in rows if r[0] == "generation/teacher"] == [
+        ("generation/teacher", "teacher", "2"), ("generation/teacher", "teacher", "3")]
+    summary = [ln for ln in lines if ln.startswith(("generation:", "training:"))]
+    assert [ln.split()[1] for ln in summary] == ["rollout", "actor", "critic", "judge", "teacher"]
+    assert "[pool 1, shared with critic]" in summary[1] and "[pool 3]" in summary[4]
+    assert "total:      12 devices needed, 12 used of 16" in lines
+    d = _plan_json("--allocation", text, "--devices-per-node", "8")
+    assert [(c["name"], c["role"], c["pool"]) for c in d["components"]] == [
+        ("rollout", "rollout", 0), ("actor", "actor", 1), ("critic", "critic", 1), ("judge", "judge", 2),
+        ("teacher", "teacher", 3)]
+    # three or more components: every one named (AReaL's rule), the message says so and where
+    proc = _run("--allocation", "sglang:d2+fsdp[actor]:d4+sglang[judge]:d1")
+    assert proc.returncode == 2 and "all must have names" in proc.stderr and "Traceback" not in proc.stderr
