@@ -637,12 +637,13 @@ class WeightSyncConfig(_Section):
     and pauses generation ~0.1× as long (benchmarks/RESULTS.md, `delta_sync`). The
     learner keeps the last-sent copy on the host (the model's size in the servers' dtype); the first push,
     a push after a server restart or a failed push, and a push to servers on another version are full.
-    `weights.mode=distributed` to embedded servers (TRL's, slime's and verl's delta sync)."""
+    `weights.mode=distributed` (the broadcast) or `disk` (a directory per push: `delta.safetensors` and
+    `delta.json`), to embedded servers (TRL's, slime's and verl's delta sync)."""
     check_every: int = 0
     """Every k-th push, compare each server's per-tensor checksums (SGLang's /weights_checker `checksum`)
     with those of what a full push of the version sends; a difference fails the push, and the learner
     re-syncs with a full push. Costs one more pass over the weights (a sharded learner: a gather). 0: never.
-    `weights.mode=distributed`."""
+    `weights.mode=distributed` or `disk`."""
 
 
 class ColocateConfig(_Section):
@@ -1008,10 +1009,10 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"weights.check_every={self.weights.check_every}: use 0 (never) or k ≥ 1 (every k-th push)")
         if self.weights.sync == "delta" or self.weights.check_every:
             key = "weights.sync=delta" if self.weights.sync == "delta" else "weights.check_every"
-            if self.resolved_weights_mode() != "distributed":
-                raise ConfigError(f"{key} works with weights.mode=distributed (the bucketed broadcast), and this run "
-                                  f"pushes with weights.mode={self.resolved_weights_mode()}: set weights.mode="
-                                  f"distributed, or weights.sync=full and weights.check_every=0")
+            if self.resolved_weights_mode() not in ("distributed", "disk"):
+                raise ConfigError(f"{key} works with weights.mode=distributed (the bucketed broadcast) or disk, and "
+                                  f"this run pushes with weights.mode={self.resolved_weights_mode()} (a co-located "
+                                  f"handoff in memory): set weights.sync=full and weights.check_every=0")
             if self.model.lora_rank > 0:
                 raise ConfigError(f"{key}: a LoRA run (model.lora_rank={self.model.lora_rank}) pushes the adapter "
                                   f"alone (megabytes); set weights.sync=full and weights.check_every=0")

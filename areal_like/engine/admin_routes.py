@@ -60,6 +60,9 @@ class AdminRoutes:
         # a delta update (load_format "delta") in flight per group: its tensors' changes, staged until its
         # last bucket arrives and then applied in one engine call (a torn update applies nothing)
         self._group_deltas: dict[str, list[delta.TensorDelta]] = {}
+        # a delta update from the file system (/update_weights_from_disk, load_format "delta"), read and decoded
+        # by the body that stages it: (its directory, its manifest, its tensors' changes)
+        self._disk_delta: tuple[str, dict, list[delta.TensorDelta]] | None = None
 
     def add_to(self, app: web.Application) -> None:
         for method, path, handler in self.ROUTES:
@@ -408,8 +411,11 @@ class AdminRoutes:
         path = b.get("model_path")
         if not path:
             raise BadRequest("'model_path' is required")
+        if b.get("load_format") == "delta":
+            return await self._update_disk_delta(b, str(path))
         if b.get("load_format") not in (None, "auto", "safetensors"):
-            raise BadRequest(f"load_format {b['load_format']!r} is not supported: use null (safetensors)")
+            raise BadRequest(f"load_format {b['load_format']!r} is not supported: use null (safetensors) or "
+                             "'delta' (a delta update's directory, weights.sync=delta)")
         refused = self._update_refused(num_paused_requests=0)
         if refused is not None:
             return refused
@@ -425,6 +431,56 @@ class AdminRoutes:
             self.server.weights_undefined = False  # every tensor of a checkpoint loaded
             metrics.WEIGHT_LOAD_SECONDS.observe(time.perf_counter() - t0)
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
+
+    async def _update_disk_delta(self, b: dict, path: str) -> web.Response:
+        """A delta update from the file system (`weights.sync=delta` with `weights.mode=disk`; the directory
+        `weights.disk.write_delta_dir` wrote). A body without `weight_version` stages it: read and decoded
+        while generation runs. The body that sets `weight_version` applies it in one engine call (reading it
+        first if it was not staged) if this server holds the manifest's `base_version` — else it refuses and
+        nothing changes (the sender then pushes the full weights)."""
+        from areal_like.weights.disk import read_delta_dir
+
+        staged = self._disk_delta
+        if staged is None or staged[0] != path:
+            t0 = time.perf_counter()
+            try:
+                manifest, deltas = await asyncio.to_thread(read_delta_dir, path)
+            except Exception as e:
+                log.error("update_weights_from_disk (delta) could not read %s: %s", path, e)
+                return web.json_response({"success": False, "num_paused_requests": 0,
+                                          "message": f"Failed to read the delta update in {path}: {e}"})
+            staged = self._disk_delta = (path, manifest, deltas)
+            log.info("staged a delta update from version %s in %s (%d tensors) in %.3f s", manifest["base_version"],
+                     path, len(deltas), time.perf_counter() - t0)
+        _, manifest, deltas = staged
+        if b.get("weight_version") is None:
+            return web.json_response({"success": True, "num_paused_requests": 0,
+                                      "message": f"staged {len(deltas)} tensor deltas from {path}"})
+        self._disk_delta = None
+        refused = self._update_refused(num_paused_requests=0)
+        if refused is not None:
+            return refused
+        base = str(manifest["base_version"])
+        async with self.update_lock:
+            have = self.server.scheduler.weight_version
+            if have != base or self.server.weights_undefined:
+                held = "undefined weights" if self.server.weights_undefined else f"version {have!r}"
+                msg = (f"the delta update in {path} applies to version {base!r}, but this server holds {held}: "
+                       "nothing was applied; push the full weights")
+                log.error("update_weights_from_disk (delta) refused: %s", msg)
+                return web.json_response({"success": False, "message": msg, "num_paused_requests": 0})
+            try:
+                t0 = await self._abort_and_load(b, self.server.runner.apply_weight_deltas, deltas)
+            except Exception as e:  # checked before any write: the old weights still serve
+                log.error("update_weights_from_disk (delta) failed: %s", e)
+                return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0})
+            t_load = time.perf_counter()
+            self.server._set_version(str(b["weight_version"]))
+            log.info("applied a delta update from version %s to %s (%d tensors, %d elements) in %.3f s", base,
+                     b["weight_version"], len(deltas), sum(d.count for d in deltas), t_load - t0)
+            metrics.WEIGHT_LOAD_SECONDS.observe(t_load - t0)
+        return web.json_response({"success": True, "message": f"applied {len(deltas)} tensor deltas from {path}",
+                                  "num_paused_requests": 0})
 
     async def update_tensor(self, request: web.Request) -> web.Response:
         """SGLang's /update_weights_from_tensor, for a co-located learner on this host: the tensors are in

@@ -26,16 +26,17 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from areal_like import metrics
 from areal_like.api.step_stats import PushResult
+from areal_like.weights import delta as deltas_
+from areal_like.weights import delta_sync
 from areal_like.weights.adapter import ADAPTER_NAME, is_adapter, write_adapter_dir
 from areal_like.weights.admin import ServerAdmin, WeightPushError
 from areal_like.weights.receive import parse_dtype
-from areal_like.weights.source import WeightSource, as_source, plan_buckets, wire_dtype_of
+from areal_like.weights.source import WeightSource, as_source, gather_in, plan_buckets, wire_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +141,16 @@ class SafetensorsDir:
 
 def write_safetensors_shards(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str, *,
                              dtype: torch.dtype | None = None, shard_bytes: int = 512 << 20,
-                             write: bool = True, prefix: str = "model") -> int:
+                             write: bool = True, prefix: str = "model",
+                             on_tensor: Callable[[str, torch.Tensor], None] | None = None) -> int:
     """The weights as HF safetensors files in `out_dir`, streamed: one file per shard of at most
     `shard_bytes` (`model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`, as
     `save_pretrained` writes; one shard = `model.safetensors`), floating-point tensors cast to
     `dtype` (None = as they are) on their way to host memory. At most one shard plus the tensor in
     hand is held. With a gathering source every rank of the learner pool calls it (the gathers are
     collective) and only the one with `write` (rank 0) writes. `prefix` replaces `model` in the file
-    names (a checkpoint's critic). `SafetensorsDir` reads them back. Returns the bytes written."""
+    names (a checkpoint's critic). `on_tensor(name, tensor)` sees each tensor as written (the delta
+    sync's sent copy). `SafetensorsDir` reads them back. Returns the bytes written."""
     from safetensors.torch import save_file
 
     src = as_source(weights)
@@ -170,6 +173,8 @@ def write_safetensors_shards(weights: WeightSource | Sequence[tuple[str, torch.T
                 t = t.clone()
             seen.add(ptr)
             tensors[name] = t
+            if on_tensor is not None:
+                on_tensor(name, t)
             weight_map[name] = fname
             nbytes += t.numel() * t.element_size()
             del t
@@ -204,13 +209,14 @@ def write_dir_atomically(out_dir: str, write: Callable[[str], int]) -> int:
 
 def write_hf_checkpoint(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str,
                         model_path: str | None, dtype: torch.dtype | None = None,
-                        shard_bytes: int = 512 << 20) -> int:
+                        shard_bytes: int = 512 << 20,
+                        on_tensor: Callable[[str, torch.Tensor], None] | None = None) -> int:
     """Write `out_dir` atomically (`write_dir_atomically`): the weights as safetensors shards
     (`write_safetensors_shards`: floating-point ones cast to `dtype`, None = as they are) plus every
     non-weight file of `model_path` (config.json, tokenizer files). Returns bytes. A gathering
     source: every rank of the pool calls `write_safetensors_shards` alongside (rank 0 calls this)."""
     def write(tmp: str) -> int:
-        nbytes = write_safetensors_shards(weights, tmp, dtype=dtype, shard_bytes=shard_bytes)
+        nbytes = write_safetensors_shards(weights, tmp, dtype=dtype, shard_bytes=shard_bytes, on_tensor=on_tensor)
         if model_path:
             for fname in os.listdir(model_path):
                 src = os.path.join(model_path, fname)
@@ -221,13 +227,63 @@ def write_hf_checkpoint(weights: WeightSource | Sequence[tuple[str, torch.Tensor
     return write_dir_atomically(out_dir, write)
 
 
+DELTA_FORMAT = "areal_like.delta/1"
+DELTA_MANIFEST = "delta.json"
+DELTA_PREFIX = "delta"  # delta.safetensors: one uint8 tensor per packed bucket
+
+
+def write_delta_dir(out_dir: str, packed: delta_sync.Packed, base_version: int, version: int) -> int:
+    """A delta update as a directory (atomically, `write_dir_atomically`): `delta.safetensors` holding each
+    packed bucket (weights/delta.py's layout) as a uint8 tensor `bucket.<k>`, and the manifest `delta.json`
+    (format, the version it applies to, the version it makes, each bucket's tensor descriptions). Returns
+    the bytes of the buckets."""
+    from safetensors.torch import save_file
+
+    def write(tmp: str) -> int:
+        save_file({f"bucket.{k}": buf for k, (_, buf) in enumerate(packed)},
+                  os.path.join(tmp, f"{DELTA_PREFIX}.safetensors"), metadata={"format": "pt"})
+        manifest = {"format": DELTA_FORMAT, "base_version": str(base_version), "version": str(version),
+                    "buckets": [{"tensor": f"bucket.{k}", "deltas": described} for k, (described, _) in enumerate(packed)]}
+        with open(os.path.join(tmp, DELTA_MANIFEST), "w") as f:
+            json.dump(manifest, f)
+        return sum(buf.numel() for _, buf in packed)
+
+    return write_dir_atomically(out_dir, write)
+
+
+def read_delta_dir(path: str) -> tuple[dict, list[deltas_.TensorDelta]]:
+    """(the manifest, every tensor's delta with its positions decoded) of a `write_delta_dir` directory;
+    ValueError naming the file when it is not one."""
+    where = os.path.join(path, DELTA_MANIFEST)
+    try:
+        with open(where) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a delta update's manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != DELTA_FORMAT:
+        raise ValueError(f"{where}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                         f"want {DELTA_FORMAT!r}")
+    files = SafetensorsDir(path, prefix=DELTA_PREFIX)
+    out: list[deltas_.TensorDelta] = []
+    for b in manifest.get("buckets") or []:
+        out += [d.prepare() for d in deltas_.unpack(files[str(b["tensor"])], [list(e) for e in b["deltas"]])]
+    return manifest, out
+
+
 class DiskWeightPusher(ServerAdmin):
     """Push weights as an HF checkpoint dir the servers load with /update_weights_from_disk."""
 
     def __init__(self, servers: list[str], *, out_dir: str, model_path: str | None = None, timeout_s: float = 300.0,
                  admin_api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None,
-                 shard_bytes: int = 512 << 20):
+                 shard_bytes: int = 512 << 20, sync: str = "full", check_every: int = 0):
         super().__init__(servers, timeout_s=timeout_s, admin_api_key=admin_api_key)
+        if sync not in ("full", "delta"):
+            raise ValueError(f"sync={sync!r}: use 'full' or 'delta'")
+        # `weights.sync=delta`: what the servers hold, as last written (host memory), and its version; a push
+        # whose servers all hold it writes only the changed elements (`write_delta_dir`)
+        self.sent: deltas_.SentCopy | None = deltas_.SentCopy() if sync == "delta" else None
+        self.check_every = check_every  # `weights.check_every`: every k-th push checked (delta_sync.check_servers)
+        self.pushes = 0
         # The servers' dtype (`server.dtype`): floating-point tensors are written in it. None = as they are.
         self.dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
         if keep < 1:
@@ -255,20 +311,32 @@ class DiskWeightPusher(ServerAdmin):
         learner's adapter (`weights.adapter.AdapterWeights`) is written as a peft dir and swapped in as
         the servers' run adapter (`ServerAdmin.swap_adapter`).
 
+        `sync="delta"`: once a full push recorded what the servers hold, a push to servers that all report
+        that version writes only the changed elements (`_update_delta`); any other case or a failure makes
+        the next push full. `check_every=k`: every k-th push is compared with a full push's checksums.
+
         On a failed load the servers keep (roll back to) their old weights; generation is continued
         and WeightPushError names the server."""
         if self._session is None:
             raise WeightPushError("update() before init(): call init() first")
         adapter = is_adapter(weights)
         t0 = time.perf_counter()
+        return await delta_sync.push(self, weights, version, adapter,
+                                     lambda: self._update_full(weights, version, paused, t0, adapter),
+                                     lambda: self._update_delta(weights, version, paused, t0), self.shard_bytes)
+
+    async def _update_full(self, weights, version: int, paused: bool, t0: float, adapter: bool) -> PushResult:
+        """The whole weights (or the adapter) as a version dir; with `weights.sync=delta` each tensor is also
+        kept as written."""
         path = self.version_dir(version)
         # Written before the pause: generation does not wait for the disk.
         if adapter:
             nbytes = await asyncio.to_thread(write_dir_atomically, path, lambda tmp: write_adapter_dir(
                 weights, tmp, weights.adapter_config, dtype=self.dtype))
         else:
+            record = self.sent.record if self.sent is not None else None
             nbytes = await asyncio.to_thread(write_hf_checkpoint, weights, path, self.model_path, self.dtype,
-                                             self.shard_bytes)
+                                             self.shard_bytes, record)
         t_written = time.perf_counter()
         async with self.paused_unless(paused) as t_paused:
             if adapter:
@@ -291,6 +359,38 @@ class DiskWeightPusher(ServerAdmin):
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, write_s=t_written - t0,
                           bytes=nbytes, buckets=1, path=path, adapter=adapter)
+
+    async def _update_delta(self, weights, version: int, paused: bool, t0: float) -> PushResult:
+        """The changed elements since `self.sent.version` (which every server holds) as a delta dir
+        (`write_delta_dir`), diffed and written before the pause; each server reads and decodes it while it
+        still generates (a body without `weight_version`: staged), then pause → each applies it in one
+        engine call (the body that sets the version) → continue: the pause window is the apply."""
+        sent = self.sent
+        assert sent is not None and sent.version is not None
+        base = sent.version
+        src = gather_in(as_source(weights), self.dtype)
+        path = self.version_dir(version)
+
+        def diff_and_write() -> tuple[int, int, int, int]:
+            packed, changed, numel = delta_sync.diff(sent, src, self.dtype, self.shard_bytes)
+            return write_delta_dir(path, packed, base, version), len(packed), changed, numel
+
+        nbytes, buckets, changed, numel = await asyncio.to_thread(diff_and_write)
+        t_written = time.perf_counter()
+        body = {"model_path": path, "load_format": "delta", "abort_all_requests": False, "flush_cache": False,
+                "weight_version": None}
+        await self._all("/update_weights_from_disk", body)  # staged while the servers generate
+        async with self.paused_unless(paused) as t_paused:
+            await self._begin_or_end("/begin_weight_update")
+            await self._all("/update_weights_from_disk", {**body, "flush_cache": not paused,
+                                                          "weight_version": str(version)})
+            await self._begin_or_end("/end_weight_update")
+        t_end = time.perf_counter()
+        sent.version = version  # every server applied it (the copy followed during the diff)
+        await asyncio.to_thread(self._prune, path)
+        metrics.PUSH_SECONDS.observe(t_end - t0)
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, write_s=t_written - t0, bytes=nbytes,
+                          buckets=buckets, path=path, delta=True, changed=changed / max(1, numel))
 
     def _prune(self, current: str) -> None:
         """Keep `current` and the `keep` − 1 most recently written other version dirs; leftover tmp dirs

@@ -48,7 +48,8 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     if mode == "disk":
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
-                                dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20))
+                                dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20),
+                                sync=cfg.weights.sync, check_every=cfg.weights.check_every)
     lora = cfg.model.lora_rank > 0
     if mode == "memory" and lora and endpoints.weight_backend != "nccl":
         # co-located LoRA, embedded servers: the adapter (MBs) as a peft dir under the run dir

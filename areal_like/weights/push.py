@@ -31,12 +31,12 @@ import asyncio
 import logging
 import time
 
-import aiohttp
 import torch
 
 from areal_like import metrics
 from areal_like.api.step_stats import PushResult
 from areal_like.weights import delta as deltas_
+from areal_like.weights import delta_sync
 from areal_like.weights.adapter import ADAPTER_NAME, is_adapter
 from areal_like.weights.admin import ServerAdmin, WeightPushError  # WeightPushError: re-exported here
 from areal_like.api.net import free_port
@@ -267,22 +267,9 @@ class WeightPusher(ServerAdmin):
         # A LoRA learner's push: the adapter's tensors, loaded by the servers as the run's adapter
         # (our route; SGLang has no distributed one for adapters — its LoRA runs push through disk)
         adapter = is_adapter(weights)
-        sent = self.sent if not adapter else None
-        try:
-            if sent is not None and sent.version is not None and await self._servers_hold(sent.version):
-                res = await self._update_delta(src, version, paused, t0)
-            else:
-                if sent is not None:
-                    sent.invalidate()  # recorded afresh by this full push
-                res = await self._update_full(src, weights, version, paused, t0, adapter)
-            self.pushes += 1
-            if self.check_every and not adapter and self.pushes % self.check_every == 0:
-                res.checked = await self.check(src, version)
-        except BaseException:
-            if sent is not None:
-                sent.invalidate()  # the servers may hold anything: the next push is full
-            raise
-        return res
+        return await delta_sync.push(self, src, version, adapter,
+                                     lambda: self._update_full(src, weights, version, paused, t0, adapter),
+                                     lambda: self._update_delta(src, version, paused, t0), self.bucket_bytes)
 
     async def _update_full(self, src: WeightSource, weights, version: int, paused: bool, t0: float,
                            adapter: bool) -> PushResult:
@@ -382,69 +369,10 @@ class WeightPusher(ServerAdmin):
             self._flat = FlatBuffers()
         t_end = time.perf_counter()
         metrics.PUSH_SECONDS.observe(t_end - t0)
-        if sent is not None:
-            sent.version = version
         return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, bytes=total_bytes,
                           buckets=len(buckets), adapter=adapter)
 
     # ---------------------------------------------------------------- weights.sync=delta
-    async def _servers_hold(self, version: int) -> bool:
-        """Whether every server reports `version` (/model_info's weight_version). A server that does not
-        answer counts as not holding it: the full push that follows reports it properly."""
-        assert self._session is not None
-
-        async def one(url: str) -> str | None:
-            try:
-                async with self._session.get(url + "/model_info", headers=self._headers,
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
-                    return str((await resp.json(content_type=None)).get("weight_version")) if resp.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:
-                log.info("weight version of %s unknown (%s): pushing the full weights", url, e)
-                return None
-        held = await asyncio.gather(*(one(u) for u in self.server_urls))
-        behind = [f"{u} ({h})" for u, h in zip(self.server_urls, held) if h != str(version)]
-        if behind:
-            log.info("server(s) not on version %d, the base of a delta: %s — pushing the full weights",
-                     version, ", ".join(behind))
-        return not behind
-
-    def _diff(self, src: WeightSource) -> tuple[list[tuple[list[list], torch.Tensor]], int, int]:
-        """Every tensor's change from the last-sent copy, packed into buckets of at most `bucket_bytes`
-        (blocking: on a thread, before the pause): [(the bucket's tensor descriptions, its bytes)], the
-        changed elements and the elements compared. The source is opened bucket by bucket as a full push
-        would (a sharded learner gathers one tensor at a time), each tensor cast to the servers' dtype on
-        the host; a bucket's changes are packed as soon as it is full, so what is held is the payload."""
-        assert self.sent is not None
-        packed: list[tuple[list[list], torch.Tensor]] = []
-        cur: list[deltas_.TensorDelta] = []
-        changed = numel = size = 0
-
-        def close() -> None:
-            buf = torch.zeros(max(deltas_.ALIGN, size), dtype=torch.uint8)
-            deltas_.pack(cur, buf)
-            packed.append(([d.describe() for d in cur], buf))
-            cur.clear()
-
-        for idx in plan_buckets(src.meta, self.bucket_bytes, self.dtype):
-            for name, t in src.open(idx):
-                new = t.detach().to("cpu", wire_dtype(t, self.dtype), copy=True)
-                del t
-                numel += new.numel()
-                d = deltas_.encode(name, new, self.sent.tensors.get(name))
-                if d is None:
-                    continue
-                self.sent.follow(new, d)  # the copy takes the new bytes now (its version moves on success)
-                del new
-                if cur and size + d.nbytes > self.bucket_bytes:
-                    close()
-                    size = 0
-                cur.append(d)
-                size += d.nbytes
-                changed += d.count
-        if cur:
-            close()
-        return packed, changed, numel
-
     async def _update_delta(self, src: WeightSource, version: int, paused: bool, t0: float) -> PushResult:
         """The changed elements since `self.sent.version` (which every server holds), in buckets of their
         encoded size (weights/delta.py). Diffed and packed before the pause, and sent while the servers still
@@ -453,7 +381,7 @@ class WeightPusher(ServerAdmin):
         sent = self.sent
         assert sent is not None and sent.version is not None
         base = str(sent.version)
-        packed, changed, numel = await asyncio.to_thread(self._diff, src)
+        packed, changed, numel = await asyncio.to_thread(delta_sync.diff, sent, src, self.dtype, self.bucket_bytes)
         commit = ([], torch.zeros(deltas_.ALIGN, dtype=torch.uint8))  # sets the version: the servers apply
         device = src.device
         total = 0
@@ -488,36 +416,8 @@ class WeightPusher(ServerAdmin):
                           delta=True, changed=changed / max(1, numel))
 
     async def check(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> int:
-        """Compare every server's per-tensor checksums (SGLang's /weights_checker, action `checksum`) with
-        those of what a full push of `version` sends (the source, cast to the servers' dtype), on the names
-        both have; returns the tensors compared per server. Raises WeightPushError naming the server and
-        the first tensors that differ (the learner then re-syncs: a full push)."""
-        src = gather_in(as_source(weights), self.dtype)
-
-        def expected() -> dict[str, str]:
-            out = {}
-            for idx in plan_buckets(src.meta, self.bucket_bytes, self.dtype):
-                for name, t in src.open(idx):
-                    out[name] = deltas_.checksum(t.detach().to(wire_dtype(t, self.dtype)))
-                    del t
-            return out
-        want = await asyncio.to_thread(expected)
-        replies = await self._all("/weights_checker", {"action": "checksum"})
-        compared = None
-        for url, r in zip(self.server_urls, replies):
-            have: dict[str, str] = {}
-            for rank in (r or {}).get("ranks") or []:
-                have.update(rank.get("checksums") or {})
-            common = sorted(set(have) & set(want))
-            if not common:
-                raise WeightPushError(f"{url}/weights_checker reported no tensor the learner pushes: nothing to "
-                                      f"check (set weights.check_every=0)")
-            differ = [n for n in common if have[n] != want[n]]
-            if differ:
-                raise WeightPushError(f"{url} holds {len(differ)} tensor(s) that differ from version {version} as "
-                                      f"a full push sends it, e.g. {differ[:3]}: re-syncing with a full push")
-            compared = len(common) if compared is None else min(compared, len(common))
-        return compared or 0
+        """Compare every server's per-tensor checksums with a full push of `version` (`delta_sync.check_servers`)."""
+        return await delta_sync.check_servers(self, weights, self.dtype, self.bucket_bytes, version)
 
     async def close(self) -> None:
         """Destroy the group on the servers and here; close the HTTP session."""

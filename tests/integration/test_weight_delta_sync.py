@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 import torch
 
-from areal_like.weights import WeightPusher, WeightPushError
-from areal_like.weights import delta
+from areal_like.weights import DiskWeightPusher, WeightPusher, WeightPushError
+from areal_like.weights import delta, delta_sync
 
 from conftest import free_port
 from _weights import base_model  # noqa: F401 (a fixture)
@@ -104,7 +104,7 @@ async def test_a_torn_delta_changes_nothing_and_the_next_push_is_full(servers, b
         before = [await server_checksums(s.url) for s in servers]
         # the sender sends the first bucket of a delta and dies: no last bucket ever arrives
         adamw_like_step(master, lr=1e-3, seed=31)
-        packed, changed, _ = pusher._diff(_source(master))
+        packed, changed, _ = delta_sync.diff(pusher.sent, _source(master), pusher.dtype, pusher.bucket_bytes)
         described, buf = packed[0]
         assert changed and described
         body = {"deltas": described, "base_version": "30", "group_name": pusher.group_name,
@@ -125,7 +125,8 @@ async def test_a_torn_delta_changes_nothing_and_the_next_push_is_full(servers, b
         await pusher.close()
 
 
-async def test_a_delta_on_another_base_is_refused_whole_and_the_check_catches_a_drifted_server(servers, base_model):
+async def test_a_delta_on_another_base_is_refused_whole_and_the_check_catches_a_drifted_server(servers, base_model,
+                                                                                         monkeypatch):
     master = {n: t.detach().clone() for n, t in base_model.state_dict().items()}
     pusher = new_pusher(servers, check_every=1)
     await pusher.init()
@@ -133,13 +134,13 @@ async def test_a_delta_on_another_base_is_refused_whole_and_the_check_catches_a_
         await pusher.update(list(master.items()), version=40)
         # the servers' version moved under the learner's feet between its check and its push
         pusher.sent.version = 39
-        pusher._servers_hold = _always  # the pre-check would send the full weights: force the delta
+        monkeypatch.setattr(delta_sync, "servers_hold", _always)  # the pre-check would send the full weights
         adamw_like_step(master, lr=1e-3, seed=41)
         before = await server_checksums(servers[0].url)
         with pytest.raises(WeightPushError, match="applies to version '39'.*holds version '40'"):
             await pusher.update(list(master.items()), version=41)
         assert await server_checksums(servers[0].url) == before and pusher.sent.version is None
-        del pusher._servers_hold
+        monkeypatch.undo()
         await pusher.reform()
         await pusher.update(list(master.items()), version=41)
         # a server whose weights drifted from what the learner sent: the check fails the push by name
@@ -152,7 +153,7 @@ async def test_a_delta_on_another_base_is_refused_whole_and_the_check_catches_a_
         await pusher.close()
 
 
-async def _always(version):
+async def _always(admin, version):
     return True
 
 
@@ -160,3 +161,54 @@ def _source(master):
     from areal_like.weights.source import LocalWeights
 
     return LocalWeights(list(master.items()))
+
+
+async def test_deltas_through_the_file_system_land_bit_exact_and_a_wrong_or_torn_one_changes_nothing(
+        servers, base_model, tiny_model_dir, tmp_path):
+    """`weights.mode=disk`: after a full checkpoint dir, each push writes a delta dir (delta.safetensors +
+    delta.json) the servers stage before the pause and apply inside it."""
+    master = {n: t.detach().clone() for n, t in base_model.state_dict().items()}
+    pusher = DiskWeightPusher([s.url for s in servers], out_dir=str(tmp_path / "w"), model_path=str(tiny_model_dir),
+                              timeout_s=20, admin_api_key=ADMIN, dtype="bfloat16", shard_bytes=32 << 10,
+                              sync="delta", check_every=1)
+    await pusher.init()
+    try:
+        first = await pusher.update(list(master.items()), version=101)
+        assert not first.delta and first.checked >= len(master) - 1
+        for version in (102, 103, 104):
+            adamw_like_step(master, lr=2e-6, seed=version)
+            res = await pusher.update(list(master.items()), version=version)
+            assert res.delta and 0 < res.changed < 0.5 and res.bytes < first.bytes / 3, res
+            assert res.checked == first.checked
+            assert sorted(os.listdir(res.path)) == ["delta.json", "delta.safetensors"]
+        want = full_push_checksums(master)
+        for srv in servers:
+            assert {n: (await server_checksums(srv.url))[n] for n in want} == want
+        before = [await server_checksums(s.url) for s in servers]
+        # the servers hold 104: the delta 103 → 104 again is refused whole
+        body = {"model_path": res.path, "load_format": "delta", "weight_version": "105"}
+        st, r = await call("POST", servers[0].url, "/update_weights_from_disk", body)
+        assert st == 200 and not r["success"] and "applies to version '103'" in r["message"], r
+        # a torn file (the learner died while writing, or the disk filled): read fails, nothing changes
+        torn = tmp_path / "torn"
+        os.makedirs(torn)
+        for name in ("delta.json", "delta.safetensors"):
+            data = open(os.path.join(res.path, name), "rb").read()
+            open(torn / name, "wb").write(data[:-7] if name.endswith(".safetensors") else data)
+        st, r = await call("POST", servers[1].url, "/update_weights_from_disk", {**body, "model_path": str(torn)})
+        assert st == 200 and not r["success"] and "Failed to read the delta update" in r["message"], r
+        for srv, b in zip(servers, before):
+            assert await server_checksums(srv.url) == b
+            assert (await call("GET", srv.url, "/model_info"))[1]["weight_version"] == "104"
+        # a server on another version: the next push is a full checkpoint dir, then deltas again
+        await call("POST", servers[1].url, "/update_weight_version", {"new_version": "elsewhere"})
+        adamw_like_step(master, lr=2e-6, seed=105)
+        res = await pusher.update(list(master.items()), version=105)
+        assert not res.delta and "model.safetensors" in "".join(os.listdir(res.path))
+        adamw_like_step(master, lr=2e-6, seed=106)
+        assert (await pusher.update(list(master.items()), version=106)).delta
+        want = full_push_checksums(master)
+        for srv in servers:
+            assert {n: (await server_checksums(srv.url))[n] for n in want} == want
+    finally:
+        await pusher.close()

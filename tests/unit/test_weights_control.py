@@ -33,10 +33,11 @@ def test_each_transport_is_a_generation_control(tmp_path, make):
     assert "paused" in inspect.signature(handle.update).parameters  # the co-located phase holds the servers
 
 
-# The transports (and their shared admin session), the server that serves the routes, and the launcher's
+# The transports (and their shared admin session and delta sync), the server that serves the routes, and the launcher's
 # supervisor, which pauses a restarted SGLang server before the learner re-syncs it (it cannot import the
 # torch-side transports).
 ADMIN_CALLERS = {"areal_like/weights/admin.py", "areal_like/weights/push.py", "areal_like/weights/disk.py",
+                 "areal_like/weights/delta_sync.py",
                  "areal_like/weights/shm.py", "areal_like/weights/ipc.py", "areal_like/weights/adapter_tensors.py",
                  "areal_like/engine/server.py", "areal_like/engine/admin_routes.py", "areal_like/engine/lora_routes.py",
                  "launcher/run.py"}
