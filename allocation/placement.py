@@ -108,13 +108,13 @@ class Placement:
     def servers(self) -> tuple[ServerPlacement, ...]:
         """The rollout servers (`Allocation.generation`), or () without them."""
         gen = self.allocation.generation
-        return next((g.servers for g in self.generation if g.spec is gen), ())
+        return next((g.servers for g in self.generation if gen is not None and g.spec.name == gen.name), ())
 
     @property
     def ranks(self) -> tuple[RankPlacement, ...]:
         """Ranks of the actor (`Allocation.training`), or () without it."""
         actor = self.allocation.training
-        return next((c.ranks for c in self.training if c.spec is actor), ())
+        return next((c.ranks for c in self.training if actor is not None and c.spec.name == actor.name), ())
 
     def component(self, name: str) -> GenerationPlacement | ComponentPlacement:
         """The placement of the component called `name`."""
@@ -137,12 +137,12 @@ class Placement:
         """The JSON shape printed by ``launcher plan --json``: ``generation`` (the rollout servers) and
         ``training`` (the actor), and ``components``: every component in order with its role and pool."""
         alloc = self.allocation
-        gens = {id(g.spec): _generation_dict(g) for g in self.generation}
-        trains = {id(c.spec): _component_dict(c) for c in self.training}
+        gens = {g.spec.name: _generation_dict(g) for g in self.generation}  # names are distinct (the parser's rule)
+        trains = {c.spec.name: _component_dict(c) for c in self.training}
         components = []
         for pool, group in enumerate(alloc.groups):
             for spec in group:
-                d = gens.get(id(spec)) or trains[id(spec)]
+                d = gens.get(spec.name) or trains[spec.name]
                 components.append({"pool": pool, "role": spec.role,
                                    "kind": "generation" if isinstance(spec, GenerationSpec) else "training", **d})
         return {
@@ -151,8 +151,8 @@ class Placement:
             "kind": alloc.kind,
             "nodes": self.nodes,
             "devices_per_node": self.devices_per_node,
-            "generation": gens[id(alloc.generation)] if alloc.generation is not None else None,
-            "training": trains[id(alloc.training)] if alloc.training is not None else None,
+            "generation": gens[alloc.generation.name] if alloc.generation is not None else None,
+            "training": trains[alloc.training.name] if alloc.training is not None else None,
             "components": components,
         }
 
@@ -249,12 +249,12 @@ def _layout(alloc: Allocation, devices_per_node: int) -> tuple[list[list[list[in
             "use smaller d, p, t or c sizes",
         )
     cursor = _Cursor(devices_per_node)
-    servers: dict[int, list[list[int]]] = {}
-    ranks: dict[int, list[int]] = {}
+    servers: dict[str, list[list[int]]] = {}
+    ranks: dict[str, list[int]] = {}
     for group in alloc.groups:
         if len(group) == 1 and isinstance(group[0], GenerationSpec):  # servers on their own: one by one
             gen = group[0]
-            servers[id(gen)] = [cursor.take(gen.server_size) for _ in range(gen.num_servers)]
+            servers[gen.name] = [cursor.take(gen.server_size) for _ in range(gen.num_servers)]
             continue
         sizes: list[int] = []
         for c in group:
@@ -265,11 +265,11 @@ def _layout(alloc: Allocation, devices_per_node: int) -> tuple[list[list[list[in
         shared = cursor.take_group(Allocation.group_devices(group), _block_size(sizes))
         for c in group:
             if isinstance(c, GenerationSpec):
-                servers[id(c)] = [shared[i * c.server_size : (i + 1) * c.server_size] for i in range(c.num_servers)]
+                servers[c.name] = [shared[i * c.server_size : (i + 1) * c.server_size] for i in range(c.num_servers)]
             else:
-                ranks[id(c)] = shared[: c.world_size]
-    return ([servers[id(g)] for g in alloc.generation_components],
-            [ranks[id(t)] for t in alloc.training_components])
+                ranks[c.name] = shared[: c.world_size]
+    return ([servers[g.name] for g in alloc.generation_components],
+            [ranks[t.name] for t in alloc.training_components])
 
 
 def nodes_needed(alloc: Allocation, devices_per_node: int) -> int:

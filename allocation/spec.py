@@ -245,7 +245,7 @@ class Allocation:
     def group_of(self, comp: Component) -> int:
         """Index of the device pool `comp` belongs to."""
         for i, g in enumerate(self.groups):
-            if any(c is comp for c in g):
+            if any(c.name == comp.name for c in g):  # names are distinct (the parser's rule)
                 return i
         raise ValueError(f"{comp} is not a component of {self}")
 
