@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 SCRIPTS=(buffer_throughput client_overhead engine_vs_hf interrupt_cost learner_overhead weight_push async_vs_sync e2e_vs_minimal_loop colocated lora real_model_step_time)
 # The real model learning in five modes (~1 h on 2 cores): `benchmarks/run_all.sh` runs it only with REAL_MODEL=1.
 if [ "${REAL_MODEL:-0}" = "1" ]; then SCRIPTS+=(real_model_learns); fi
-# Qwen3-0.6B shape, 40 learner steps (~15 min, ~20 GiB): `benchmarks/run_all.sh` runs it only with DELTA=1.
+# Qwen3-0.6B shape, 60 learner steps (the broadcast at two lrs, disk at one; ~12 min, ~20 GiB): only with DELTA=1.
 if [ "${DELTA:-0}" = "1" ]; then SCRIPTS+=(delta_sync); fi
 # Heavy (~35 processes, ~11 GiB): `benchmarks/run_all.sh` runs it only with MISSION=1.
 if [ "${MISSION:-0}" = "1" ]; then SCRIPTS+=(mission_toy_ray); fi
