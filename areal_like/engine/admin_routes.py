@@ -305,28 +305,41 @@ class AdminRoutes:
                                       "recv_s": t_recv - t0, "load_s": 0.0})
         deltas = self._group_deltas.pop(group_name, [])
         self._end_group_update(group_name)
-        have = self.server.scheduler.weight_version
-        if have != base or self.server.weights_undefined:
-            held = "undefined weights" if self.server.weights_undefined else f"version {have!r}"
-            msg = (f"this delta update applies to version {base!r}, but this server holds {held}: nothing was "
-                   f"applied; push the full weights")
-            log.error("update_weights_from_distributed (delta) refused: %s", msg)
-            return web.json_response({"success": False, "message": msg})
-        try:
-            await self.server.scheduler.run_on_engine(self.server.runner.apply_weight_deltas, deltas)
-        except Exception as e:  # checked before any write: the old weights still serve
-            log.error("update_weights_from_distributed (delta) failed: %s", e)
-            return web.json_response({"success": False, "message": str(e)})
+        failed = await self._apply_deltas(deltas, base, str(b["weight_version"]), "update_weights_from_distributed",
+                                          "this delta update", self.server.scheduler.run_on_engine, since=t0)
+        if failed is not None:
+            return web.json_response({"success": False, "message": failed})
         t_load = time.perf_counter()
-        self.server._set_version(str(b["weight_version"]))
-        log.info("applied a delta update from version %s to %s (%d tensors, %d elements) in %.3f s", base,
-                 b["weight_version"], len(deltas), sum(d.count for d in deltas), t_load - t_recv)
-        metrics.WEIGHT_LOAD_SECONDS.observe(t_load - t0)
         refused = self._flush_refused(b)
         if refused is not None:
             return refused
         return web.json_response({"success": True, "message": f"applied {len(deltas)} tensor deltas",
                                   "recv_s": t_recv - t0, "load_s": t_load - t_recv})
+
+    async def _apply_deltas(self, deltas: list[delta.TensorDelta], base: str, version: str, route: str, what: str,
+                            run, since: float | None = None) -> str | None:
+        """Apply a staged delta update from `base` to `version` in one engine call (`run(load, deltas)`, e.g.
+        the scheduler's `run_on_engine`) if this server holds `base`; then set the version, log and time it
+        (WEIGHT_LOAD_SECONDS from `since`, default the apply's start). None once applied, else why nothing
+        was: another version held, or the apply's own check failed (it checks before any write)."""
+        have = self.server.scheduler.weight_version
+        if have != base or self.server.weights_undefined:
+            held = "undefined weights" if self.server.weights_undefined else f"version {have!r}"
+            msg = f"{what} applies to version {base!r}, but this server holds {held}: nothing was applied; push the full weights"
+            log.error("%s (delta) refused: %s", route, msg)
+            return msg
+        t_apply = time.perf_counter()
+        try:
+            await run(self.server.runner.apply_weight_deltas, deltas)
+        except Exception as e:  # checked before any write: the old weights still serve
+            log.error("%s (delta) failed: %s", route, e)
+            return str(e)
+        t_load = time.perf_counter()
+        self.server._set_version(version)
+        log.info("applied a delta update from version %s to %s (%d tensors, %d elements) in %.3f s", base, version,
+                 len(deltas), sum(d.count for d in deltas), t_load - t_apply)
+        metrics.WEIGHT_LOAD_SECONDS.observe(t_load - (t_apply if since is None else since))
+        return None
 
     def _receive_delta(self, group_name: str, nbytes: int, described: list[list], slot: int) -> list[delta.TensorDelta]:
         """Receive one delta bucket (blocking; on a thread), decode its positions and copy its values out of
@@ -462,23 +475,11 @@ class AdminRoutes:
             return refused
         base = str(manifest["base_version"])
         async with self.update_lock:
-            have = self.server.scheduler.weight_version
-            if have != base or self.server.weights_undefined:
-                held = "undefined weights" if self.server.weights_undefined else f"version {have!r}"
-                msg = (f"the delta update in {path} applies to version {base!r}, but this server holds {held}: "
-                       "nothing was applied; push the full weights")
-                log.error("update_weights_from_disk (delta) refused: %s", msg)
-                return web.json_response({"success": False, "message": msg, "num_paused_requests": 0})
-            try:
-                t0 = await self._abort_and_load(b, self.server.runner.apply_weight_deltas, deltas)
-            except Exception as e:  # checked before any write: the old weights still serve
-                log.error("update_weights_from_disk (delta) failed: %s", e)
-                return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0})
-            t_load = time.perf_counter()
-            self.server._set_version(str(b["weight_version"]))
-            log.info("applied a delta update from version %s to %s (%d tensors, %d elements) in %.3f s", base,
-                     b["weight_version"], len(deltas), sum(d.count for d in deltas), t_load - t0)
-            metrics.WEIGHT_LOAD_SECONDS.observe(t_load - t0)
+            failed = await self._apply_deltas(deltas, base, str(b["weight_version"]), "update_weights_from_disk",
+                                              f"the delta update in {path}",
+                                              lambda load, arg: self._abort_and_load(b, load, arg))
+        if failed is not None:
+            return web.json_response({"success": False, "message": failed, "num_paused_requests": 0})
         return web.json_response({"success": True, "message": f"applied {len(deltas)} tensor deltas from {path}",
                                   "num_paused_requests": 0})
 

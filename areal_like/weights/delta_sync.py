@@ -28,6 +28,16 @@ from areal_like.weights.source import WeightSource, as_source, gather_in, plan_b
 
 log = logging.getLogger(__name__)
 
+SYNCS = ("full", "delta")
+
+
+def sent_copy(sync: str) -> deltas_.SentCopy | None:
+    """A pusher's copy of what its servers hold: a `SentCopy` for `weights.sync=delta`, None for `full`."""
+    if sync not in SYNCS:
+        raise ValueError(f"sync={sync!r}: use 'full' or 'delta'")
+    return deltas_.SentCopy() if sync == "delta" else None
+
+
 Packed = list[tuple[list[list], torch.Tensor]]
 """Delta buckets: (the bucket's tensor descriptions, `TensorDelta.describe()` each; its packed bytes)."""
 

@@ -277,11 +277,9 @@ class DiskWeightPusher(ServerAdmin):
                  admin_api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None,
                  shard_bytes: int = 512 << 20, sync: str = "full", check_every: int = 0):
         super().__init__(servers, timeout_s=timeout_s, admin_api_key=admin_api_key)
-        if sync not in ("full", "delta"):
-            raise ValueError(f"sync={sync!r}: use 'full' or 'delta'")
         # `weights.sync=delta`: what the servers hold, as last written (host memory), and its version; a push
         # whose servers all hold it writes only the changed elements (`write_delta_dir`)
-        self.sent: deltas_.SentCopy | None = deltas_.SentCopy() if sync == "delta" else None
+        self.sent = delta_sync.sent_copy(sync)
         self.check_every = check_every  # `weights.check_every`: every k-th push checked (delta_sync.check_servers)
         self.pushes = 0
         # The servers' dtype (`server.dtype`): floating-point tensors are written in it. None = as they are.

@@ -108,11 +108,9 @@ class WeightPusher(ServerAdmin):
                  check_every: int = 0):
         super().__init__(server_urls, timeout_s=timeout_s, admin_api_key=admin_api_key)
         self.overlap_loads = overlap_loads
-        if sync not in ("full", "delta"):
-            raise ValueError(f"sync={sync!r}: use 'full' or 'delta'")
         # `weights.sync=delta`: what the servers hold, as last sent (host memory), and the version it makes up;
         # a push whose servers all hold that version sends only the changed elements (weights/delta.py)
-        self.sent: deltas_.SentCopy | None = deltas_.SentCopy() if sync == "delta" else None
+        self.sent = delta_sync.sent_copy(sync)
         # `weights.check_every`: every k-th push, each server's per-tensor checksums (/weights_checker) are
         # compared with what a full push of the version sends (0: never)
         self.check_every = check_every
