@@ -38,13 +38,17 @@ def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event, learners: dict
                     continue
                 if "sglang.launch_server" in cmd:
                     seen[int(pid)] = cmd.replace("\0", " ")
-                elif "areal_like.learner.main" in cmd:  # learner rank 0 (this run has one rank): its environment
+                elif "areal_like.learner.main" in cmd and int(pid) not in learners:
+                    # learner rank 0 (this run has one rank): its environment, read once. A process that exits
+                    # between the two reads shows an empty environ (its memory is gone, no error): not recorded
+                    # then, it would read as a learner without RANK (failed one CI run).
                     try:
                         env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
                     except OSError:
                         continue
-                    learners[int(pid)] = {"cmd": cmd.replace("\0", " "),
-                                          **dict(kv.split("=", 1) for kv in env if "=" in kv)}
+                    env_vars = dict(kv.split("=", 1) for kv in env if "=" in kv)
+                    if env_vars:
+                        learners[int(pid)] = {"cmd": cmd.replace("\0", " "), **env_vars}
         stop.wait(0.02)
 
 
