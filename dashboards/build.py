@@ -152,6 +152,12 @@ ROLLOUT = [
        "kind (exception, timeout, non_finite, not_a_number).",
        [target(f"sum by (run) (rate(areal_like_reward_timeouts_total{RO}[{RI}]))", "{{run}} timeouts"),
         target(f"sum by (run, kind) (rate(areal_like_reward_failures_total{RO}[{RI}]))", "{{run}} {{kind}}")]),
+    ts("Judge gradings/s and mean latency", "Gradings by the judge servers (judge.*, the allocation's judge "
+       "component), and their mean time, request to score, retries included (0 while none ran; failed gradings "
+       "count in both, and as reward failures in the panel above). Empty rates (0) in a run without a judge.",
+       [target(f"sum by (run) (rate(areal_like_judge_latency_seconds_count{RO}[{RI}]))", "{{run}} gradings/s"),
+        target(f"sum by (run) (rate(areal_like_judge_latency_seconds_sum{RO}[{RI}])) / clamp_min(sum by (run) "
+               f"(rate(areal_like_judge_latency_seconds_count{RO}[{RI}])), 1e-9)", "{{run}} mean latency (s)")]),
     ts("Tool calls/s by outcome", "Tool calls per tool and outcome: `ok`, or the error kind (timeout, exception, "
        "bad_arguments, unknown_tool, refused, memory, …). Empty unless rollout.tools_config is set.",
        [target(f"sum by (run, tool, outcome) (rate(areal_like_tool_calls_total{RO}[{RI}]))",

@@ -65,6 +65,9 @@ def resolve_and_check(cfg: ExperimentConfig, log=lambda msg: None) -> None:
         if sec.path is not None:
             sec.path = _resolve(sec.path, key, log)
             check_model_dir(sec.path, key)
+    if cfg.judge.model_path is not None:
+        cfg.judge.model_path = _resolve(cfg.judge.model_path, "judge.model_path", log)
+        check_model_dir(cfg.judge.model_path, "judge.model_path")
     if not cfg.data.train_files:
         raise PreflightError("data.train_files is empty: set data.train_files=[path/to/train.parquet] "
                              "(or [demo:next-digit] for the demo task)")

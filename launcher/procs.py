@@ -234,12 +234,17 @@ def learner_role(rank: int) -> str:
 
 
 def role_devices(plan, name: str) -> tuple[int, ...]:
-    """The plan's devices of a role: `server<i>` → its server's, `learner`/`learner<r>` → rank r's."""
+    """The plan's devices of a role: `server<i>` → its server's, `judge<i>` → the judge component's server
+    i's, `learner`/`learner<r>` → rank r's."""
     if plan is None:
         return ()
     if name.startswith("server"):
         i = int(name.removeprefix("server"))
         return tuple(plan.servers[i].devices) if i < len(plan.servers) else ()
+    if name.startswith("judge"):
+        i = int(name.removeprefix("judge"))
+        judge = next((g for g in plan.generation if g.spec.role == "judge"), None)
+        return tuple(judge.servers[i].devices) if judge is not None and i < len(judge.servers) else ()
     if name.startswith("learner"):
         r = int(name.removeprefix("learner") or 0)
         ranks = plan.ranks
@@ -255,8 +260,9 @@ _PIN = "import os,sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].spli
 
 
 def role_kind(name: str) -> str | None:
-    """"server0" → "server", "learner"/"learner3" → "learner", "rollout1" → "rollout", "redis" → "redis"."""
-    for kind in ("server", "learner", "rollout", "redis"):
+    """"server0" → "server", "learner"/"learner3" → "learner", "rollout1" → "rollout", "judge0" → "judge",
+    "redis" → "redis"."""
+    for kind in ("server", "learner", "rollout", "judge", "redis"):
         if name.startswith(kind) and name[len(kind):].isdigit() or name == kind:
             return kind
     return None

@@ -110,15 +110,19 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
             f"allocation {cfg.allocation!r} is {alloc.kind}: `launcher run` needs a generation part and a "
             "training part, e.g. --allocation embedded.d1p1t1+d1p1t1"
         )
-    extra = [c for c in alloc.components if c is not gen and c is not train]
+    judge = judge_component(alloc)
+    extra = [c for c in alloc.components if c is not gen and c is not train and c is not judge]
     if extra:
         names = ", ".join(f"{c.backend}[{c.name}] (role {c.role})" for c in extra)
         raise RunError(
             f"allocation {cfg.allocation!r} names components `launcher run` does not start yet: {names}. A run "
-            f"starts one rollout pool ({gen.backend}[{gen.name}]) and one actor pool ({train.backend}[{train.name}]); "
-            "the critic trains inside the actor's ranks (algorithm.adv_estimator=gae) and the reference model "
-            "inside the actor's process: remove the other components from --allocation"
+            f"starts one rollout pool ({gen.backend}[{gen.name}]), one actor pool ({train.backend}[{train.name}]) "
+            "and at most one judge pool (embedded[judge]:dN); the critic trains inside the actor's ranks "
+            "(algorithm.adv_estimator=gae) and the reference model inside the actor's process: remove the other "
+            "components from --allocation"
         )
+    if judge is not None:
+        _check_judge(cfg, alloc, judge)
     from allocation import AllocationError
 
     try:
@@ -138,6 +142,25 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
     if train.cp > 1:
         raise RunError(f"context parallel (c={train.cp}) is not implemented by the learner pool: drop the c dimension")
     return gen.backend, gen.dp, world
+
+
+def judge_component(alloc):
+    """The allocation's judge component (the one named `judge`: names are unique), or None."""
+    return next((c for c in alloc.components if c.role == "judge"), None)
+
+
+def _check_judge(cfg, alloc, judge) -> None:
+    """A judge pool runs the embedded engine (one device per server), on devices of its own."""
+    if judge.backend != "embedded":
+        raise RunError(f"{judge.backend}[{judge.name}]: `launcher run` starts judge servers of the embedded engine "
+                       f"(same HTTP protocol, CPU or GPU); SGLang judge servers are not started yet: use "
+                       f"embedded[{judge.name}]:d{judge.dp}")
+    if judge.tp * judge.pp != 1:
+        raise RunError(f"the embedded engine runs one device per server; the judge has t={judge.tp} p={judge.pp}: "
+                       f"use embedded[{judge.name}]:d{judge.dp}")
+    if any(judge in group and len(group) > 1 for group in alloc.groups):
+        raise RunError(f"judge component {judge.name!r} is co-located (`|`) with another component: a judge's "
+                       f"servers keep their devices for the run; write it as a pool of its own (`+`)")
 
 
 def _wait_health(url: str, timeout_s: float, role, what: str) -> None:
@@ -393,7 +416,9 @@ class Run:
         rc = self.cfg.launcher.ray
         log = lambda msg: print(f"[launcher] {msg}", flush=True)  # noqa: E731
         try:
-            roles = self.n_servers + self.alloc.training.world_size + self.cfg.rollout.workers
+            judge = judge_component(self.alloc)
+            roles = (self.n_servers + self.alloc.training.world_size + self.cfg.rollout.workers
+                     + (judge.num_servers if judge is not None else 0))
             connect(rc.address, devices_needed=self.alloc.total_devices, roles_needed=roles,
                               device_resource=rc.device_resource,
                               cpu_run=self.cfg.server.device == "cpu" and self.alloc.generation.backend == "embedded",
@@ -560,6 +585,65 @@ class Run:
                   f"LoRA adapter", flush=True)
         return [srv.url for srv in servers]
 
+    def _start_embedded_server(self, name: str, model_path: str, *, seed: int, env, port: int | None,
+                               judge: bool = False):
+        """One embedded engine server (`server<i>` serving the policy, or `judge<i>` serving judge.model_path,
+        which the learner never updates: no LoRA, no weight group) → (url, role)."""
+        cfg, sv = self.cfg, self.cfg.server
+        port = port or self.procs.free_port(name)
+        host = self.procs.host(name) if self.procs.backend == "ray" else sv.host
+        cuda = sv.device.startswith("cuda")
+        argv = [sys.executable, "-m", "areal_like.engine.server", "--model-path", model_path,
+                "--host", host, "--port", str(port),
+                # on CUDA its CUDA_VISIBLE_DEVICES holds the plan's device for it: cuda:0 inside
+                "--device", "cuda:0" if cuda else sv.device,
+                "--dtype", sv.dtype, "--max-batch-size", str(sv.max_batch_size),
+                "--max-context-len", str(cfg.judge.max_context_len if judge else cfg.resolved_max_context_len()),
+                "--weight-version", "0", "--random-seed", str(seed), "--torch-threads", str(sv.torch_threads),
+                # its side of a weight group times out as the learner's does: a server left inside a
+                # gloo collective whose peer died is free for the re-sync after weights.timeout_s
+                "--weight-sync-timeout-s", str(cfg.weights.timeout_s)]
+        if not cfg.metrics.prometheus:
+            argv.append("--disable-metrics")
+        if cfg.model.fp32_lm_head and not judge:
+            argv.append("--enable-fp32-lm-head")
+        if cfg.model.lora_rank > 0 and not judge:
+            # runtime LoRA: the run's adapter (each push replaces it) plus the one a push is swapping
+            # in while requests that started on the old one still run
+            argv += ["--enable-lora", "--max-lora-rank", str(cfg.model.lora_rank), "--lora-target-modules",
+                     *lora_target_modules(cfg.model.target_modules), "--max-loras-per-batch", "2",
+                     "--max-loaded-loras", "2",
+                     # every request names the run's adapter: held until the learner's first push loaded it
+                     "--start-paused"]
+        argv += ["--max-n", str(sv.max_n), "--max-request-bytes", str(int(sv.max_request_mb * 2**20))]
+        for flag, value in (("--max-new-tokens-limit", sv.max_new_tokens_limit),
+                            ("--max-prompt-len", None if judge else sv.max_prompt_len),
+                            ("--max-queued-tokens", sv.max_queued_tokens)):
+            if value is not None:
+                argv += [flag, str(value)]
+        # Keys travel in the environment, not argv (/proc/<pid>/cmdline is readable by every user).
+        server_env = {**env, **self._role_env(name), "AREAL_LIKE_API_KEY": sv.api_key or "",
+                      "AREAL_LIKE_ADMIN_API_KEY": sv.admin_api_key or ""}
+        role = self.procs.start(name, argv, server_env)
+        return f"http://{url_host(reach_host(host))}:{port}", role
+
+    def _start_judges(self, env) -> list:
+        """The judge component's servers (`judge<i>`, judge.model_path): started before the generation
+        servers, so they load meanwhile; `_wait_judges` waits for them."""
+        judge = judge_component(self.alloc)
+        if judge is None:
+            return []
+        return [self._start_embedded_server(f"judge{i}", self.cfg.judge.model_path, seed=self.cfg.seed + i, env=env,
+                                            port=None, judge=True) for i in range(judge.num_servers)]
+
+    def _wait_judges(self, judges: list) -> list[str]:
+        for i, (url, role) in enumerate(judges):
+            _wait_health(url, self.cfg.server.health_timeout_s, role, f"judge server {i}")
+        if judges:
+            print(f"[launcher] {len(judges)} judge server(s) healthy ({self.cfg.judge.model_path}): "
+                  f"{' '.join(u for u, _ in judges)}", flush=True)
+        return [u for u, _ in judges]
+
     def _start_servers(self, env, while_loading: Callable[[], None]) -> list[str]:
         """Start the generation servers, call `while_loading` once their processes run (the learner pool
         starts then: its model load overlaps theirs), wait until every one is healthy; their URLs."""
@@ -569,42 +653,10 @@ class Run:
         urls, roles = [], []
         cuda = cfg.server.device.startswith("cuda")
         for i in range(self.n_servers):
-            name = f"server{i}"
-            port = cfg.server.base_port + i if cfg.server.base_port else self.procs.free_port(name)
-            host = self.procs.host(name) if self.procs.backend == "ray" else cfg.server.host
-            argv = [sys.executable, "-m", "areal_like.engine.server", "--model-path", cfg.model.path,
-                    "--host", host, "--port", str(port),
-                    # on CUDA its CUDA_VISIBLE_DEVICES holds the plan's device for it: cuda:0 inside
-                    "--device", "cuda:0" if cuda else cfg.server.device,
-                    "--dtype", cfg.server.dtype, "--max-batch-size", str(cfg.server.max_batch_size),
-                    "--max-context-len", str(cfg.resolved_max_context_len()), "--weight-version", "0",
-                    "--random-seed", str(cfg.seed + i), "--torch-threads", str(cfg.server.torch_threads),
-                    # its side of a weight group times out as the learner's does: a server left inside a
-                    # gloo collective whose peer died is free for the re-sync after weights.timeout_s
-                    "--weight-sync-timeout-s", str(cfg.weights.timeout_s)]
-            if not cfg.metrics.prometheus:
-                argv.append("--disable-metrics")
-            if cfg.model.fp32_lm_head:
-                argv.append("--enable-fp32-lm-head")
-            if cfg.model.lora_rank > 0:
-                # runtime LoRA: the run's adapter (each push replaces it) plus the one a push is swapping
-                # in while requests that started on the old one still run
-                argv += ["--enable-lora", "--max-lora-rank", str(cfg.model.lora_rank), "--lora-target-modules",
-                         *lora_target_modules(cfg.model.target_modules), "--max-loras-per-batch", "2",
-                         "--max-loaded-loras", "2",
-                         # every request names the run's adapter: held until the learner's first push loaded it
-                         "--start-paused"]
-            sv = cfg.server
-            argv += ["--max-n", str(sv.max_n), "--max-request-bytes", str(int(sv.max_request_mb * 2**20))]
-            for flag, value in (("--max-new-tokens-limit", sv.max_new_tokens_limit),
-                                ("--max-prompt-len", sv.max_prompt_len), ("--max-queued-tokens", sv.max_queued_tokens)):
-                if value is not None:
-                    argv += [flag, str(value)]
-            # Keys travel in the environment, not argv (/proc/<pid>/cmdline is readable by every user).
-            server_env = {**env, **self._role_env(name), "AREAL_LIKE_API_KEY": sv.api_key or "",
-                          "AREAL_LIKE_ADMIN_API_KEY": sv.admin_api_key or ""}
-            roles.append(self.procs.start(name, argv, server_env))
-            urls.append(f"http://{url_host(reach_host(host))}:{port}")
+            url, role = self._start_embedded_server(f"server{i}", cfg.model.path, seed=cfg.seed + i, env=env,
+                                                    port=cfg.server.base_port + i if cfg.server.base_port else None)
+            urls.append(url)
+            roles.append(role)
         if cuda:
             self._learner_device = "cuda:0"  # the learner trains on its own plan devices too
         while_loading()
@@ -663,10 +715,12 @@ class Run:
                                                      self.run_dir, "--index", str(k), "--launch", self._launch,
                                                      *port_arg], {**env, **self._role_env(f"rollout{k}")})
 
+            judges = self._start_judges(self._server_env(env))
             urls = self._server_urls = self._start_servers(self._server_env(env),  # no Redis secret
                                                            while_loading=while_loading)
+            judge_urls = self._wait_judges(judges)
             endpoints = Endpoints(
-                servers=urls,
+                servers=urls, judge_servers=judge_urls,
                 metrics_ports={"learner": learner_metrics, **{f"rollout{k}": p for k, p in enumerate(rollout_ports)}}
                 if prom else {},
                 # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
@@ -676,7 +730,7 @@ class Run:
                 learner_gpus=self._colocated_gpus[1] if self._colocated_gpus else None,
                 learner_host=self.procs.host("learner"), launch=self._launch)
             endpoints.dump(self.run_dir)
-            self._write_prometheus_targets(urls, endpoints.metrics_ports)
+            self._write_prometheus_targets(urls, endpoints.metrics_ports, judge_urls)
             rc = self._supervise(t0)
         except RunError as e:
             print(f"launcher run: {e}", file=sys.stderr, flush=True)
@@ -785,7 +839,7 @@ class Run:
 
     def _budget(self, kind: str) -> int:
         b = self.cfg.launcher.max_restarts
-        return {"learner": b.learner, "server": b.server, "rollout": b.rollout, "redis": b.redis}[kind]
+        return {"learner": b.learner, "server": b.server, "rollout": b.rollout, "judge": b.judge, "redis": b.redis}[kind]
 
     def _record_restart(self, kind: str, dead: Role | None, what: str, exit_code: int | None = None,
                         notify: bool = True) -> None:
@@ -850,6 +904,13 @@ class Run:
         self._restarting[role.name] = (role, url, time.monotonic() + wait_s)
         self._record_restart("server", dead, f"restarting on {url}; paused until the learner re-syncs its weights",
                              notify=False)
+
+    def _restart_judge(self, dead: Role) -> None:
+        """Same port, devices and seed, serving judge.model_path again: nothing to re-sync (the learner never
+        updates a judge). Its gradings fail over to the other judge servers meanwhile, or wait for it
+        (engine/client.py); a grading past judge.timeout_s counts as a reward failure."""
+        self.procs.restart(dead)
+        self._record_restart("judge", dead, "restarted on its port with judge.model_path")
 
     def _restart_servers_left_in_a_push(self) -> None:
         """A learner that died inside an NCCL weight push (its rank 0 marks one in Redis from the pause to
@@ -949,7 +1010,7 @@ class Run:
         """A role ended before the run did: restart it within its budget (None: the table changed),
         `_IGNORED` (a learner rank that finished with rank 0), or the run's exit code (0: done)."""
         rc = role.proc.returncode
-        kind = "learner" if role.name.startswith("learner") else "server" if role.name.startswith("server") else "rollout"
+        kind = role_kind(role.name) or "rollout"
         if kind == "learner":
             if role.name != "learner" and rc == 0:
                 return _IGNORED  # a non-zero rank finished with rank 0; rank 0's exit ends the run
@@ -965,7 +1026,8 @@ class Run:
             self._stop_reason = (f"{role.name} stopped: too many groups failed in workflow {self.cfg.rollout.workflow} "
                                  f"(rollout.max_failure_fraction)")
         elif self._restart_count(kind, role.name) < self._budget(kind):
-            {"learner": self._restart_learners, "server": self._restart_server, "rollout": self._restart_rollout}[kind](role)
+            {"learner": self._restart_learners, "server": self._restart_server, "rollout": self._restart_rollout,
+             "judge": self._restart_judge}[kind](role)
             return None
         else:
             budget = self._budget(kind)
@@ -977,7 +1039,7 @@ class Run:
               file=sys.stderr, flush=True)
         return 1
 
-    def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int]) -> None:
+    def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int], judge_urls: list[str] = ()) -> None:
         """file_sd targets for dashboards/prometheus.yml: every role's /metrics (and the Redis exporter's)
         labelled experiment, run, role (server0, learner, rollout0, redis) and kind (server, learner,
         rollout, redis) — the dashboard's variables and every panel's selector use them.
@@ -996,6 +1058,7 @@ class Run:
                                                      "role": role, "kind": role_kind(role)}}
 
         targets = [target(u.split("://", 1)[1], f"server{i}") for i, u in enumerate(urls)]
+        targets += [target(u.split("://", 1)[1], f"judge{i}") for i, u in enumerate(judge_urls)]
         targets += [target(f"{self.procs.host(name)}:{p}", name) for name, p in ports.items()]
         if self.redis_exporter is not None:
             targets.append(target(self.redis_exporter.address, "redis"))
@@ -1157,14 +1220,14 @@ class Run:
         self.procs.close()  # Ray: this run's actors and placement groups (nothing else on the cluster)
 
 
-RESTART_KINDS = ("learner", "server", "rollout", "redis")
+RESTART_KINDS = ("learner", "server", "rollout", "judge", "redis")
 
 
 def _budget_scope(kind: str, name: str) -> str:
     """What one `launcher.max_restarts.<kind>` budget counts: each generation server and each rollout
-    worker has its own (`server3`, `rollout0`); the learner pool (all its ranks restart together) and
-    Redis have one for the run."""
-    return name if kind in ("server", "rollout") else kind
+    worker and each judge server has its own (`server3`, `rollout0`, `judge1`); the learner pool (all its
+    ranks restart together) and Redis have one for the run."""
+    return name if kind in ("server", "rollout", "judge") else kind
 FAILED_START_SUMMARY = "summary.failed_start.json"  # a failed start's summary when summary.json exists
 
 

@@ -587,6 +587,60 @@ class RewardShapingConfig(_Section):
     """Scored samples over which `max_failure_fraction` is measured (per rollout worker)."""
 
 
+JUDGE_DEFAULT_TEMPLATE = (
+    "You are grading an answer.\n\nQuestion:\n{question}\n\nReference answer:\n{reference}\n\n"
+    "Answer to grade:\n{response}\n\nRate the answer from 0 to 10, where 10 means fully correct. "
+    "Reply with the number only.\nScore: ")
+"""`judge.prompt_template`'s default: a grading prompt whose reply the `last_number` rule reads (0–10)."""
+
+
+class JudgeConfig(_Section):
+    """A judge (generative reward model) on servers of its own: the allocation's judge component
+    (`embedded[judge]:d1`, or `sglang[judge]:d1` on GPUs) serves `judge.model_path`, never updated by the
+    learner. Each sample's reward is `rule_weight` × the rule reward (built-in by data_source, or
+    custom_reward_function) + `weight` × the judge's score; a judge call that fails, times out or gives no
+    score scores 0 and counts as a reward failure (kinds exception, timeout, not_a_number)."""
+
+    model_path: str | None = None
+    """The judge's model directory (HF files; its tokenizer renders and reads the grading prompt).
+    Required with a judge component in the allocation, refused without one."""
+    prompt_template: str = JUDGE_DEFAULT_TEMPLATE
+    """The grading prompt, a Python format string over `{question}` (the row's prompt: the string, or
+    a chat prompt's last user message), `{response}` (the sample's decoded text) and `{reference}` (the
+    row's ground truth). Literal braces are written `{{` and `}}`."""
+    apply_chat_template: bool = False
+    """Send the rendered prompt as one user message through the judge tokenizer's chat template
+    (instruct judges); false = the text as is. True with a tokenizer that has no chat template is an error."""
+    score_rule: Literal["last_number", "verdict"] = "last_number"
+    """How a score is read: `last_number` — the last number in the judge's reply divided by `max_score`,
+    clipped to [0, 1] (no number: a `not_a_number` failure); `verdict` — the judge's probability of the
+    first `verdict_tokens` entry over both entries at its first reply token, read from its top
+    `top_logprobs_num` logprobs (neither among them: a `not_a_number` failure)."""
+    max_score: float = 10.0
+    """`last_number`: the score that reads as 1.0."""
+    verdict_tokens: list[str] = msgspec.field(default_factory=lambda: ["Yes", "No"])
+    """`verdict`: [positive, negative]; each stands for its first token under the judge's tokenizer
+    (write " Yes" where the tokenizer folds the leading space into the word)."""
+    top_logprobs_num: int = 20
+    """`verdict`: how many of the judge's most likely first tokens the servers return."""
+    max_new_tokens: int = 16
+    """Tokens the judge may generate per grading (`verdict` reads the first one only)."""
+    temperature: float = 0.0
+    """Judge sampling temperature; 0 = greedy (the same sample gets the same grade)."""
+    weight: float = 1.0
+    """Weight of the judge's score in the reward."""
+    rule_weight: float = 0.0
+    """Weight of the rule reward (built-in by data_source, or custom_reward_function); 0 = the rule reward
+    is not computed at all."""
+    timeout_s: float = 60.0
+    """One grading request's time limit on a judge server (it is then sent again, to another judge server
+    when there is one, up to `max_retries` times; then the sample's judge score is a `timeout` failure)."""
+    max_retries: int = 2
+    """Times a timed-out grading request is sent again before it counts as a failure."""
+    max_context_len: int = 2048
+    """Longest grading request (prompt + reply) a judge server admits, in tokens."""
+
+
 class EvalConfig(_Section):
     """Validation during training: the learner's current weights answer every validation prompt on the
     generation servers, between steps (the servers hold that version meanwhile: the staleness bound is
@@ -677,6 +731,10 @@ class RestartBudgets(_Section):
     """A rollout worker that dies is restarted (its gate slots freed, its in-flight groups counted as
     `lost_in_flight`) up to this many times *per worker*. A worker stopped by `reward.max_failure_fraction`
     (exit 3) is never restarted."""
+    judge: int = 3
+    """A judge server that dies is restarted on its port and devices (it holds the judge's fixed weights:
+    nothing to re-sync; its grading requests go to the other judge servers meanwhile, or wait) up to this
+    many times *per judge server*."""
     redis: int = 3
     """The launcher's own redis-server (not one given by `buffer.redis_url`) that dies is restarted on
     the same port and data directory — Redis reloads its AOF, every role reconnects — up to this many
@@ -893,6 +951,9 @@ class ExperimentConfig(_Section):
     """Supervision by `launcher run` (`launcher.*`)."""
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     """Validation during training on `data.val_files` every `train.test_freq` steps (`eval.*`)."""
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    """A judge model's servers and how its scores enter the reward (`judge.*`; the allocation's judge
+    component starts them)."""
 
     def resolved_server_dtype(self, *, sglang: bool) -> str:
         """`server.dtype` with `auto` resolved: bfloat16 where the servers run on GPUs (SGLang always;
@@ -948,6 +1009,47 @@ class ExperimentConfig(_Section):
             need = max(need, self.data.max_prompt_length + mt.max_assistant_turns * per_turn
                        + (mt.max_assistant_turns - 1) * mt.max_tool_response_tokens)
         return need
+
+    def _check_judge(self) -> None:
+        """`judge.*` against the allocation: a judge component needs `judge.model_path`, and the judge
+        settings need a judge component (nothing would read them)."""
+        from allocation import AllocationError, parse_allocation
+
+        j = self.judge
+        try:
+            has_judge = any(c.role == "judge" for c in parse_allocation(self.allocation).components)
+        except AllocationError:
+            return  # the allocation's own error is reported where it is parsed
+        if has_judge and not j.model_path:
+            raise ConfigError(f"allocation {self.allocation!r} has a judge component but judge.model_path is not set: "
+                              f"set judge.model_path=<the judge's model directory>")
+        if not has_judge and j.model_path:
+            raise ConfigError(f"judge.model_path={j.model_path!r} but the allocation {self.allocation!r} has no judge "
+                              f"component to serve it: add one, e.g. --allocation "
+                              f"'embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1', or unset judge.model_path")
+        try:
+            j.prompt_template.format(question="", response="", reference="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"judge.prompt_template does not format with {{question}}, {{response}} and {{reference}} "
+                              f"({type(e).__name__}: {e}): write other literal braces as {{{{ and }}}}") from None
+        if j.score_rule == "last_number" and not (math.isfinite(j.max_score) and j.max_score > 0):
+            raise ConfigError(f"judge.max_score={j.max_score}: use a positive number (the score that reads as 1.0)")
+        if j.score_rule == "verdict":
+            if len(j.verdict_tokens) != 2 or not all(j.verdict_tokens) or j.verdict_tokens[0] == j.verdict_tokens[1]:
+                raise ConfigError(f"judge.verdict_tokens={j.verdict_tokens}: give two different words, "
+                                  f"[positive, negative], e.g. [Yes, No]")
+            if j.top_logprobs_num < 2:
+                raise ConfigError(f"judge.top_logprobs_num={j.top_logprobs_num}: use ≥ 2 (e.g. 20)")
+        if j.max_new_tokens < 1:
+            raise ConfigError(f"judge.max_new_tokens={j.max_new_tokens}: use ≥ 1")
+        if j.temperature < 0:
+            raise ConfigError(f"judge.temperature={j.temperature}: use ≥ 0 (0 = greedy)")
+        for key in ("weight", "rule_weight"):
+            if not math.isfinite(getattr(j, key)):
+                raise ConfigError(f"judge.{key}={getattr(j, key)}: use a finite number")
+        if j.timeout_s <= 0 or j.max_retries < 0 or j.max_context_len < 1:
+            raise ConfigError(f"judge.timeout_s={j.timeout_s}, judge.max_retries={j.max_retries}, judge.max_context_len="
+                              f"{j.max_context_len}: use a positive timeout, ≥ 0 retries and a positive length")
 
     def _check_lora(self) -> None:
         m = self.model
@@ -1119,6 +1221,7 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"train.master_dtype={md} with model.dtype={cd}: the master weights are float32 "
                               f"(set train.master_dtype=float32) or the compute dtype itself (train.master_dtype={cd})")
         self._check_learner_side()
+        self._check_judge()
         mf = self.server.mem_fraction_static
         if mf is not None and not 0.0 < mf < 1.0:
             raise ConfigError(f"server.mem_fraction_static={mf}: use a fraction in (0, 1), e.g. 0.8, or null for SGLang's default")

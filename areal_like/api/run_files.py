@@ -29,6 +29,8 @@ METRICS_FILE = "metrics.jsonl"
 class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     servers: list[str]
     """Base URLs of the generation servers, in data-parallel order."""
+    judge_servers: list[str] = msgspec.field(default_factory=list)
+    """Base URLs of the judge servers (the allocation's judge component; judge.*), empty without one."""
     metrics_ports: dict[str, int] = msgspec.field(default_factory=dict)
     """role name → its /metrics port (on its node's address, `prometheus_targets.json`)."""
     weight_backend: str = "gloo"

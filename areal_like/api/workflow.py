@@ -61,6 +61,19 @@ class PromptRecord:
     """The whole parquet row, every column as read (what a workflow is given, verl-style)."""
 
     @property
+    def question(self) -> str:
+        """The prompt as text, what a judge's `{question}` stands for: a string prompt as is, a chat
+        prompt's last user message."""
+        raw = self.raw_prompt
+        if isinstance(raw, str):
+            return raw
+        if isinstance(raw, (list, tuple)):
+            users = [m.get("content", "") for m in raw if isinstance(m, dict) and m.get("role") == "user"]
+            if users:
+                return str(users[-1])
+        return "" if raw is None else str(raw)
+
+    @property
     def agent_name(self) -> str | None:
         """verl's per-row workflow choice: the `agent_name` column (or `extra_info.agent_name`); None = the config's."""
         name = self.row.get("agent_name") or self.extra_info.get("agent_name")
@@ -251,8 +264,10 @@ class EpisodeContext:
             key=self.group_id)  # a group's samples go to one server: the prompt's prefix is cached once
 
     async def score(self, row: PromptRecord, text: str) -> float:
-        """The row's verifiable reward of `text` (built-in by data_source, or custom_reward_function)."""
-        return await self.reward.score(row.data_source, text, row.ground_truth, row.extra_info)
+        """The row's reward of `text`: verifiable (built-in by data_source, or custom_reward_function)
+        and, in a run with a judge, the judge's grade of it for the row's prompt (judge.*)."""
+        return await self.reward.score(row.data_source, text, row.ground_truth, row.extra_info,
+                                       question=row.question, key=self.group_id)
 
     def sequence(self, prompt_ids: list[int] | None = None, *, index: int) -> TokenSequence:
         return TokenSequence(self, list(self.row.input_ids if prompt_ids is None else prompt_ids), index)

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import sys
-import time
 
 from areal_like.data.publish import write_parquet_atomic
 
@@ -129,49 +128,14 @@ def sft_example(tok, schemas, rng: random.Random, *, p_tool: float, p_train_call
 
 def warm_start(model_dir: str, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3, p_tool: float = 0.5,
                p_train_call: float = 0.1, seed: int = 0, threads: int = 2, log=None) -> dict:
-    """Supervised warm start of the HF model in `model_dir`, in place (plain torch, CPU): cross-entropy
-    on the assistant tokens only (loss mask 1). Returns {"steps", "loss", "seconds"}."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Supervised warm start of the HF model in `model_dir`, in place (data/sft.py): cross-entropy on the
+    assistant tokens only (loss mask 1). Returns {"steps", "loss", "seconds"}."""
+    from areal_like.data.sft import supervised_finetune
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
     schemas = _tool_schemas()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / steps))
-    t0 = time.monotonic()
-    loss_val = float("nan")
-    for step in range(steps):
-        batch = [sft_example(tok, schemas, rng, p_tool=p_tool, p_train_call=p_train_call) for _ in range(batch_size)]
-        T = max(len(i) for i, _ in batch)
-        ids_BT = torch.full((batch_size, T), tok.pad_token_id, dtype=torch.long)
-        mask_BT = torch.zeros((batch_size, T), dtype=torch.float32)
-        attn_BT = torch.zeros((batch_size, T), dtype=torch.long)
-        for b, (ids, m) in enumerate(batch):
-            ids_BT[b, :len(ids)] = torch.tensor(ids)
-            mask_BT[b, :len(m)] = torch.tensor(m, dtype=torch.float32)
-            attn_BT[b, :len(ids)] = 1
-        logits = model(input_ids=ids_BT, attention_mask=attn_BT).logits[:, :-1]  # (B, T-1, V): predicts t+1
-        nll_BT = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids_BT[:, 1:], reduction="none")
-        m = mask_BT[:, 1:]
-        loss = (nll_BT * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == steps - 1:
-            loss_val = loss.item()  # host sync, only when logging
-            log(f"warm start: step {step + 1}/{steps} loss {loss_val:.4f} ({time.monotonic() - t0:.0f}s)")
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return {"steps": steps, "loss": loss_val, "seconds": time.monotonic() - t0}
+    return supervised_finetune(
+        model_dir, lambda tok, rng: sft_example(tok, schemas, rng, p_tool=p_tool, p_train_call=p_train_call),
+        steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads, log=log)
 
 
 # ---- the demo assets ----------------------------------------------------------------------------

@@ -128,6 +128,11 @@ DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERS
                    "demo:calc-train": "calc-train.parquet", "demo:calc-val": "calc-val.parquet"})
 
 
+# The demo judge (configs/judge_demo.yaml, data/demo_judge.py): a tiny model trained to grade the next-digit
+# task (its cache name carries the recipe's version).
+DEMO_NAMES.update({"demo:next-digit-judge": "next-digit-judge-v1"})
+
+
 # A real architecture (Qwen3-0.6B's config, random init, Qwen3's tokenizer) and gsm8k-style chat data:
 # areal_like/data/real_shape.py, benchmarks/real_shape_run.py.
 DEMO_NAMES.update({"demo:qwen3-0.6b-shape": "qwen3-0.6b-shape", "demo:gsm8k-style": "gsm8k-style-train.parquet",
@@ -174,6 +179,10 @@ def resolve_demo_name(name: str, key: str) -> str:
         ensure_demo_assets(None, path, task=name[len("demo:"):])
     elif name in ("demo:next-digit-val", "demo:first-digit-val"):
         ensure_demo_assets(None, None, val_file=path, task=name[len("demo:"):-len("-val")])
+    elif name == "demo:next-digit-judge":
+        from areal_like.data.demo_judge import ensure_demo_judge
+
+        ensure_demo_judge(path)
     elif name == "demo:calc-agent":
         _agent_task.ensure_calc_agent(path)
     elif name in ("demo:calc-train", "demo:calc-val"):

@@ -436,9 +436,12 @@ class GenerationClient:
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
                        sampling_seed: int | None = None, ignore_eos: bool = False, rid: str | None = None,
-                       key: str | None = None, server: str | None = None) -> GenerationResult:
+                       key: str | None = None, server: str | None = None,
+                       top_logprobs_num: int = 0) -> GenerationResult:
         """Generate until stop/length, resubmitting across weight-update aborts and failing over to
-        another server when this one goes down (see module doc)."""
+        another server when this one goes down (see module doc). `top_logprobs_num` > 0: each output
+        token's most likely tokens, SGLang's `output_top_logprobs` ([[logprob, id, text], …] per token),
+        are in `extra["output_top_logprobs"]`."""
         if not input_ids:
             raise ValueError("input_ids is empty")
         rid = rid or uuid.uuid4().hex
@@ -447,6 +450,7 @@ class GenerationClient:
         out_ids: list[int] = []
         out_lps: list[float] = []
         out_vers: list[int] = []
+        out_tops: list[Any] = []
         interruptions = failovers = timeouts = 0
         timed_out_on: list[str] = []
         t0 = time.perf_counter()
@@ -469,6 +473,8 @@ class GenerationClient:
                         "rid": rid + suffix}
                 if self.lora_name is not None:  # resolved by the server when it admits the request
                     body["lora_path"] = self.lora_name
+                if top_logprobs_num > 0:
+                    body["top_logprobs_num"] = top_logprobs_num
                 try:
                     reply = await self._attempt(url, body)
                 except GenerationTimeout as e:
@@ -506,6 +512,8 @@ class GenerationClient:
                 out_ids += ids
                 out_lps += lps
                 out_vers += [version] * len(ids)
+                if top_logprobs_num > 0:
+                    out_tops += list(meta.get("output_top_logprobs") or [])[:len(ids)]
                 fr = meta.get("finish_reason") or {}
                 ftype = fr.get("type") if isinstance(fr, dict) else str(fr)
                 if ftype == "abort":
@@ -524,7 +532,8 @@ class GenerationClient:
                                         finish_reason=ftype, server=url, num_interruptions=interruptions,
                                         prompt_tokens=len(input_ids), latency_s=time.perf_counter() - t0,
                                         matched_stop=fr.get("matched") if isinstance(fr, dict) else None,
-                                        num_failovers=failovers, num_timeouts=timeouts)
+                                        num_failovers=failovers, num_timeouts=timeouts,
+                                        extra={"output_top_logprobs": out_tops} if top_logprobs_num > 0 else {})
         finally:
             self.inflight[url] -= 1
 

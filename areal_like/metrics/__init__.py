@@ -51,6 +51,12 @@ ROLLOUT_TURNS = Histogram("areal_like_rollout_assistant_turns", "Assistant turns
 REWARD_TIMEOUTS = Counter("areal_like_reward_timeouts", "Reward calls that timed out", registry=REGISTRY)
 REWARD_FAILURES = Counter("areal_like_reward_failures", "Reward calls that failed and scored 0, by kind: exception, "
                           "timeout, non_finite (NaN/inf), not_a_number (e.g. a string)", ["kind"], registry=REGISTRY)
+JUDGE_LATENCY = Histogram("areal_like_judge_latency_seconds", "Time of one judge grading (judge.*), request to "
+                          "score, retries included; failed gradings too", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                                                1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+                          registry=REGISTRY)
+JUDGE_GRADINGS = Counter("areal_like_judge_gradings", "Judge gradings by outcome: ok, or the reward failure kind "
+                         "(exception, timeout, not_a_number)", ["outcome"], registry=REGISTRY)
 
 # --- buffer ------------------------------------------------------------------------------------
 BUFFER_DEPTH = Gauge("areal_like_buffer_depth", "Groups in the replay buffer not yet consumed", registry=REGISTRY)

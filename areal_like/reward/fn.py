@@ -175,6 +175,8 @@ class RewardFn:
         self._slots: asyncio.Semaphore | None = None
         self._workers: set[_Worker] = set()
         self._closed = False
+        self.judge: Any = None
+        """A `Judge` (reward/judge.py) when the run has a judge component: `score` mixes its grades in."""
         for kind in FAILURE_KINDS:  # exported at 0 from the start
             REWARD_FAILURES.labels(kind=kind)
         if path is not None:
@@ -210,9 +212,40 @@ class RewardFn:
 
     # ---- scoring --------------------------------------------------------------------------------
     async def score(self, data_source: str, solution_str: str, ground_truth: str,
-                    extra_info: dict[str, Any] | None = None) -> float:
+                    extra_info: dict[str, Any] | None = None, *, question: str = "",
+                    key: str | None = None) -> float:
+        """The sample's reward. With a judge (`self.judge`, judge.*): `judge.rule_weight` × the rule reward
+        (not computed when that weight is 0) + `judge.weight` × the judge's grade of `solution_str` for
+        `question` (`key`: the group, whose gradings go to one judge server). Each part that fails scores
+        0 and is counted (the window counts rule calls and gradings alike)."""
         if self._closed:
             raise RuntimeError("RewardFn.score after close()")
+        judge = self.judge
+        if judge is None:
+            return await self._rule(data_source, solution_str, ground_truth, extra_info)
+        jc = judge.cfg
+        grade = self._grade(judge, data_source, question, solution_str, ground_truth, key)
+        if jc.rule_weight == 0.0:
+            return jc.weight * await grade
+        rule, graded = await asyncio.gather(self._rule(data_source, solution_str, ground_truth, extra_info), grade)
+        return jc.rule_weight * rule + jc.weight * graded
+
+    async def _grade(self, judge: Any, data_source: str, question: str, response: str, reference: str,
+                     key: str | None) -> float:
+        from areal_like.reward.judge import JudgeFailure
+
+        try:
+            return self._ok(await judge.grade(question, response, reference, key=key))
+        except JudgeFailure as e:
+            return self._failed(e.kind, data_source, str(e), label=judge.label)
+        except Exception as e:  # noqa: BLE001 — a judge's bug must not kill a rollout either
+            import traceback
+
+            return self._failed("exception", data_source, "".join(traceback.format_exception(e)).rstrip(),
+                                label=judge.label)
+
+    async def _rule(self, data_source: str, solution_str: str, ground_truth: str,
+                    extra_info: dict[str, Any] | None) -> float:
         if self.runs_inline(data_source):
             try:
                 value = default_compute_score(data_source, solution_str, ground_truth, extra_info,
@@ -297,7 +330,7 @@ class RewardFn:
         self._record(False)
         return score
 
-    def _failed(self, kind: str, data_source: str, detail: str) -> float:
+    def _failed(self, kind: str, data_source: str, detail: str, *, label: str | None = None) -> float:
         self.failures[kind] += 1
         REWARD_FAILURES.labels(kind=kind).inc()
         if kind == "timeout":
@@ -305,13 +338,13 @@ class RewardFn:
         first = kind not in self._first
         what = {"exception": "raised", "timeout": "timed out", "non_finite": "returned a non-finite score",
                 "not_a_number": "returned something that is not a number"}[kind]
-        text = f"reward {self.label} {what} on data_source {data_source!r}: {detail}"
+        text = f"reward {label or self.label} {what} on data_source {data_source!r}: {detail}"
         now = time.monotonic()
         if first:
             self._first[kind] = text
             if self._first_line is None:
                 last = detail.strip().splitlines()[-1] if detail.strip() else ""
-                self._first_line = f"{what} on data_source {data_source!r}: {last[:300]}"
+                self._first_line = f"{label or self.label} {what} on data_source {data_source!r}: {last[:300]}"
             self._last_log[kind] = now
             logger.error("first reward failure of kind %s (scored 0.0; counted in reward_failures/%s):\n%s",
                          kind, kind, text)
@@ -342,7 +375,8 @@ class RewardFn:
             n = len(self._window)
             counts = ", ".join(f"{k} {v}" for k, v in self.failures.items() if v)
             self.limit_message = (
-                f"reward function {self.label} failed on {self._window_failed} of the last {n} scored samples "
+                f"reward function {self.label}{f' and {self.judge.label}' if self.judge is not None else ''} "
+                f"failed on {self._window_failed} of the last {n} scored samples "
                 f"(reward.max_failure_fraction={self.max_failure_fraction:g} of reward.failure_window="
                 f"{self.failure_window}; failures so far: {counts}); first failure: {self._first_line}. "
                 f"Fix the function (or raise reward.max_failure_fraction; 1 = never stop)")
@@ -369,6 +403,8 @@ class RewardFn:
         self._closed = True
         workers, self._workers = list(self._workers), set()
         await asyncio.gather(*(w.kill() for w in workers), return_exceptions=True)
+        if self.judge is not None:
+            await self.judge.close()
 
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]

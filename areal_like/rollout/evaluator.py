@@ -117,7 +117,8 @@ class Evaluator:
                 top_k=self.gen_cfg.top_k, stop_token_ids=self.stop_token_ids,
                 sampling_seed=sample_seed(self.seed, tag, i), rid=f"{tag}-{i}-{time.monotonic_ns()}", key=tag)
         text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
-        reward = await self.reward_fn.score(record.data_source, text, record.ground_truth, record.extra_info)
+        reward = await self.reward_fn.score(record.data_source, text, record.ground_truth, record.extra_info,
+                                            question=record.question, key=tag)
         mismatch = sum(1 for v in res.output_versions if v != version)
         return float(reward), len(res.output_ids), mismatch
 

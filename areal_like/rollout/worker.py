@@ -136,6 +136,12 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
         stop.set()
 
     reward_fn.on_limit = _reward_limit
+    if endpoints.judge_servers:  # the allocation's judge component (judge.*): its grades enter every reward
+        from areal_like.reward.judge import Judge
+
+        reward_fn.judge = Judge.from_config(cfg.judge, endpoints.judge_servers, api_key=cfg.server.api_key)
+        _log(index, f"judge {cfg.judge.model_path} on {', '.join(endpoints.judge_servers)} (score_rule "
+                    f"{cfg.judge.score_rule}; reward = {cfg.judge.rule_weight:g} × rule + {cfg.judge.weight:g} × judge)")
     report_task = asyncio.create_task(reward_report.run(stop), name="reward-failure-report")
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT):

@@ -161,7 +161,7 @@ def test_ray_run_survives_killed_server_and_learner_actors(tmp_path, demo_assets
     assert rc == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "completed" and summary["final_version"] == steps, summary
-    assert summary["restart_counts"] == {"learner": 1, "server": 1, "rollout": 0, "redis": 0}, summary
+    assert summary["restart_counts"] == {"learner": 1, "server": 1, "rollout": 0, "judge": 0, "redis": 0}, summary
     assert [r["role"] for r in summary["restarts"]] == killed, summary["restarts"]
     assert all(r["exit_code"] == -9 for r in summary["restarts"]), summary["restarts"]  # an actor killed = SIGKILL
     history = effective_history(str(run_dir / "trained.jsonl"))
