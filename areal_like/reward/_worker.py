@@ -5,7 +5,9 @@
                                               with format_score=FORMAT_SCORE (reward.format_score)
 
 Frames both ways: 4-byte little-endian length + msgpack (no pickle crosses the process boundary).
-Request  [data_source, solution_str, ground_truth, extra_info]
+Request  [data_source, solution_str, ground_truth, extra_info, question]
+         (a user's function with a `judge` parameter gets `judge=JudgeClient(question)` as well:
+          judge_client.py, the run's judge servers from $AREAL_LIKE_JUDGE_CLIENT)
 Reply    {"ok": true, "score": float}
        | {"ok": false, "kind": "exception" | "non_finite" | "not_a_number", "error": "<message or traceback>"}
          (exception: the function raised — "error" is its traceback, this file's frame left out;
@@ -30,13 +32,37 @@ if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
     del sys.path[0]
 
 
-def _load(argv: list[str]):
-    """The scoring function and to_score; raises what the parent reports as a load failure."""
+def _by_location(name: str):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_areal_like_reward_custom", os.path.join(_HERE, "custom.py"))
-    custom = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(custom)
+    spec = importlib.util.spec_from_file_location(f"_areal_like_reward_{name}", os.path.join(_HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _judge_factory(fn, label: str):
+    """None, or `question → JudgeClient | None` for a function with a `judge` parameter (judge_client.py)."""
+    import inspect
+
+    try:
+        param = inspect.signature(fn).parameters.get("judge")
+    except (TypeError, ValueError):
+        return None
+    if param is None:
+        return None
+    jc = _by_location("judge_client")
+    if not os.environ.get(jc.JUDGE_CLIENT_ENV) and param.default is inspect.Parameter.empty:
+        raise TypeError(f"{label} takes a `judge` argument but the run has no judge: add a judge component to the "
+                        f"allocation (e.g. +embedded[judge]:d1) with judge.model_path, or give the parameter a "
+                        f"default (judge=None)")
+    return jc.JudgeClient.from_env
+
+
+def _load(argv: list[str]):
+    """The scoring function, to_score and the judge factory (`_judge_factory`); raises what the parent
+    reports as a load failure."""
+    custom = _by_location("custom")
     if argv[0] == "--builtin":
         import functools
 
@@ -44,11 +70,19 @@ def _load(argv: list[str]):
         from areal_like.reward.math_score import load_math_verify
 
         load_math_verify()  # sympy's ~0.6 s import here, not inside the first math call's timeout
-        return functools.partial(default_compute_score, format_score=float(argv[1])), custom.to_score
-    return custom.load_custom_reward(argv[0], argv[1]), custom.to_score
+        return functools.partial(default_compute_score, format_score=float(argv[1])), custom.to_score, None
+    fn = custom.load_custom_reward(argv[0], argv[1])
+    return fn, custom.to_score, _judge_factory(fn, f"custom_reward_function {argv[0]}:{argv[1]}")
 
 
 def main() -> None:
+    # The launcher stops a rollout worker by SIGTERM to its process group, which holds these workers: they
+    # leave their ending to the rollout worker (RewardFn.close kills them as it exits; a call it cancels
+    # kills its worker), so a call under way at a stop is dropped with its group instead of counted as a
+    # worker that died while scoring. The launcher's SIGKILL of the group still ends a stuck one.
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # the user's print() goes to stderr, never into the reply stream
     sys.stdout = sys.stderr
@@ -63,7 +97,7 @@ def main() -> None:
         out.write(len(data).to_bytes(4, "little") + data)
 
     try:
-        fn, to_score = _load(sys.argv[1:3])
+        fn, to_score, judge_for = _load(sys.argv[1:3])
     except Exception as e:  # reported to the parent, which raises it with the path and name
         send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
@@ -74,7 +108,11 @@ def main() -> None:
             return  # parent closed stdin: exit quietly
         req = dec.decode(inp.read(int.from_bytes(head, "little")))
         try:
-            value = fn(req[0], req[1], req[2], req[3])
+            if judge_for is None:
+                value = fn(req[0], req[1], req[2], req[3])
+            else:
+                judge = judge_for(req[4] if len(req) > 4 else "")
+                value = fn(req[0], req[1], req[2], req[3], **({"judge": judge} if judge is not None else {}))
         except Exception as e:
             send({"ok": False, "kind": "exception", "error": _traceback(e)})
             continue

@@ -42,6 +42,7 @@ with the message, which names the function as path:name).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -82,9 +83,11 @@ class _Worker:
         self.proc = proc
 
     @classmethod
-    async def start(cls, argv: list[str], label: str, start_timeout_s: float) -> "_Worker":
-        """`python _worker.py *argv`; `label` names the function in errors."""
-        env = dict(os.environ)
+    async def start(cls, argv: list[str], label: str, start_timeout_s: float,
+                    extra_env: dict[str, str] | None = None) -> "_Worker":
+        """`python _worker.py *argv` with `extra_env` added to this process's environment; `label` names
+        the function in errors."""
+        env = dict(os.environ, **(extra_env or {}))
         env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         # Not a new session: the worker stays in this process's group, which the launcher ends as a
         # whole when it stops or restarts this role — a hung reward worker must not outlive it.
@@ -205,6 +208,14 @@ class RewardFn:
             return ["--builtin", repr(self.format_score)]
         return [self.path, self.name]
 
+    def _worker_env(self) -> dict[str, str]:
+        """A custom function's judge client settings (judge_client.py), when the run has a judge."""
+        if self.path is None or self.judge is None:
+            return {}
+        from areal_like.reward.judge_client import JUDGE_CLIENT_ENV
+
+        return {JUDGE_CLIENT_ENV: json.dumps(self.judge.client_spec())}
+
     @property
     def label(self) -> str:
         """The function as users name it: `path:name`, or the built-in scorer."""
@@ -216,19 +227,22 @@ class RewardFn:
                     key: str | None = None) -> float:
         """The sample's reward. With a judge (`self.judge`, judge.*): `judge.rule_weight` × the rule reward
         (not computed when that weight is 0) + `judge.weight` × the judge's grade of `solution_str` for
-        `question` (`key`: the group, whose gradings go to one judge server). Each part that fails scores
-        0 and is counted (the window counts rule calls and gradings alike)."""
+        `question` (not graded when that weight is 0; `key`: the group, whose gradings go to one judge
+        server). Each part that fails scores 0 and is counted (the window counts rule calls and gradings
+        alike). A custom function with a `judge` parameter gets a JudgeClient for `question` (judge_client.py)."""
         if self._closed:
             raise RuntimeError("RewardFn.score after close()")
         judge = self.judge
-        if judge is None:
-            return await self._rule(data_source, solution_str, ground_truth, extra_info)
+        if judge is None or judge.cfg.weight == 0.0:  # the rule alone (e.g. a custom function calling the judge)
+            ruled = await self._rule(data_source, solution_str, ground_truth, extra_info, question)
+            return ruled if judge is None else judge.cfg.rule_weight * ruled
         jc = judge.cfg
         grade = self._grade(judge, data_source, question, solution_str, ground_truth, key)
         if jc.rule_weight == 0.0:
             return jc.weight * await grade
-        rule, graded = await asyncio.gather(self._rule(data_source, solution_str, ground_truth, extra_info), grade)
-        return jc.rule_weight * rule + jc.weight * graded
+        ruled, graded = await asyncio.gather(
+            self._rule(data_source, solution_str, ground_truth, extra_info, question), grade)
+        return jc.rule_weight * ruled + jc.weight * graded
 
     async def _grade(self, judge: Any, data_source: str, question: str, response: str, reference: str,
                      key: str | None) -> float:
@@ -245,7 +259,7 @@ class RewardFn:
                                 label=judge.label)
 
     async def _rule(self, data_source: str, solution_str: str, ground_truth: str,
-                    extra_info: dict[str, Any] | None) -> float:
+                    extra_info: dict[str, Any] | None, question: str = "") -> float:
         if self.runs_inline(data_source):
             try:
                 value = default_compute_score(data_source, solution_str, ground_truth, extra_info,
@@ -258,7 +272,7 @@ class RewardFn:
                 return self._ok(to_score(value))
             except Exception as e:  # custom.ScoreError
                 return self._failed(getattr(e, "kind", "not_a_number"), data_source, f"{type(e).__name__}: {e}")
-        return await self._score_isolated([data_source, solution_str, ground_truth, extra_info or {}])
+        return await self._score_isolated([data_source, solution_str, ground_truth, extra_info or {}, question])
 
     async def _acquire(self) -> "_Worker | tuple[str, str]":
         """A worker, or the text of the failure (a timeout waiting for one, or a worker that cannot start)."""
@@ -274,7 +288,7 @@ class RewardFn:
         try:
             if not self._idle.empty():
                 return self._idle.get_nowait()
-            w = await _Worker.start(self._worker_argv(), self.label, self.start_timeout_s)
+            w = await _Worker.start(self._worker_argv(), self.label, self.start_timeout_s, self._worker_env())
             self._workers.add(w)
             return w
         except RuntimeError as e:  # the worker did not start: a failure of this call, not of the rollout

@@ -68,9 +68,10 @@ def verdict_score(top: list[Any], positive: int, negative: int) -> float:
 class Judge:
     """`await judge.grade(question, response, reference, key=group_id) -> float` in [0, 1], or JudgeFailure."""
 
-    def __init__(self, cfg: JudgeConfig, client: Any, tokenizer: Any):
+    def __init__(self, cfg: JudgeConfig, client: Any, tokenizer: Any, *, api_key: str | None = None):
         self.cfg = cfg
         self.client = client
+        self.api_key = api_key
         self.tokenizer = tokenizer
         self.label = f"judge {cfg.model_path} ({cfg.score_rule})"
         if cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -101,7 +102,14 @@ class Judge:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         client = GenerationClient(urls, request_timeout_s=cfg.timeout_s, api_key=api_key,
                                   max_timeout_retries=cfg.max_retries)
-        return cls(cfg, client, tokenizer)
+        return cls(cfg, client, tokenizer, api_key=api_key)
+
+    def client_spec(self) -> dict[str, Any]:
+        """What a custom reward function's `JudgeClient` is built from (judge_client.py), in its worker."""
+        c = self.cfg
+        return {"urls": list(self.client.server_urls), "api_key": self.api_key, "timeout_s": c.timeout_s,
+                "max_retries": c.max_retries, "max_new_tokens": c.max_new_tokens, "temperature": c.temperature,
+                "prompt_template": c.prompt_template}
 
     def prompt_ids(self, question: str, response: str, reference: str) -> list[int]:
         text = render_prompt(self.cfg.prompt_template, question=question, response=response, reference=reference)
