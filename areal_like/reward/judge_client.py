@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -59,8 +60,10 @@ class JudgeClient:
                  stop: list[str] | None = None) -> str:
         """The judge's reply to `prompt` (text in, text out: the judge server applies its tokenizer; no chat
         template). Defaults: judge.max_new_tokens, judge.temperature. A request that times out
-        (judge.timeout_s) or cannot connect is sent to the next judge server, up to judge.max_retries
-        more times; then JudgeError names every server tried. An HTTP error is raised at once."""
+        (judge.timeout_s) is sent to the next judge server, up to judge.max_retries more times; one that
+        cannot connect (a judge server restarting) is tried again with backoff for up to judge.timeout_s;
+        then JudgeError names the last servers tried. An HTTP error is raised at once. The function's own
+        limit, custom_reward_function.timeout_s, still bounds the whole call."""
         sp: dict = {"max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
                     "temperature": self.temperature if temperature is None else temperature}
         if stop:
@@ -69,8 +72,11 @@ class JudgeClient:
         headers = {"Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
-        tried = []
-        for _ in range(self.max_retries + 1):
+        tried: list[str] = []
+        timeouts = 0
+        deadline = time.monotonic() + self.timeout_s  # for a server that cannot be reached (e.g. restarting)
+        backoff = 0.25
+        while True:
             url = self.urls[self._next % len(self.urls)]
             self._next += 1
             req = urllib.request.Request(url + "/generate", data=body, headers=headers)
@@ -81,10 +87,20 @@ class JudgeClient:
                 detail = e.read()[:300].decode(errors="replace")
                 raise JudgeError(f"judge server {url}/generate answered HTTP {e.code}: {detail}") from None
             except (TimeoutError, socket.timeout, urllib.error.URLError, ConnectionError) as e:
-                tried.append(f"{url} ({type(getattr(e, 'reason', e)).__name__}: {getattr(e, 'reason', e)})")
+                reason = getattr(e, "reason", e)
+                tried.append(f"{url} ({type(reason).__name__}: {reason})")
+                if isinstance(reason, (TimeoutError, socket.timeout)):
+                    timeouts += 1  # sent again up to max_retries times
+                    if timeouts > self.max_retries:
+                        break
+                elif time.monotonic() + backoff > deadline:  # refused / reset: wait for it, up to timeout_s
+                    break
+                else:
+                    time.sleep(backoff)
+                    backoff = min(2.0, backoff * 2)
                 continue
             if isinstance(reply, list):
                 reply = reply[0]
             return str(reply.get("text", ""))
         raise JudgeError(f"judge request failed on {len(tried)} attempt(s) (judge.timeout_s={self.timeout_s:g}, "
-                         f"judge.max_retries={self.max_retries}): {'; '.join(tried)}")
+                         f"judge.max_retries={self.max_retries}): {'; '.join(tried[-3:])}")

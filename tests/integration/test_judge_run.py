@@ -5,9 +5,12 @@ of its own, and the policy learns the task from the judge alone: half the reward
 JudgeClient (examples/judge_reward/compute_score.py). The task's rule reward is never computed."""
 
 import json
+import os
+import signal
+import time
 
 import pytest
-from conftest import launcher_cli
+from conftest import launcher_finish, launcher_spawn
 
 pytestmark = pytest.mark.integration
 
@@ -15,13 +18,28 @@ pytestmark = pytest.mark.integration
 def test_the_policy_learns_the_demo_from_the_judges_grades_alone(tmp_path, demo_assets):
     model, data = demo_assets
     run_dir = tmp_path / "run"
-    rc, out = launcher_cli("run", "--config", "configs/judge_demo.yaml", "--run-dir", str(run_dir),
-                           f"model.path={model}", f"data.train_files=[{data}]", "train.total_steps=300",
-                           "train.stop_reward=0.8", "rollout.dump_dir=dump",
-                           "custom_reward_function.path=examples/judge_reward/compute_score.py",
-                           "judge.weight=0.5", "judge.rule_weight=0.5", timeout=600)
+    proc = launcher_spawn("run", "--config", "configs/judge_demo.yaml", "--run-dir", str(run_dir),
+                          f"model.path={model}", f"data.train_files=[{data}]", "train.total_steps=300",
+                          "train.stop_reward=0.8", "rollout.dump_dir=dump",
+                          "custom_reward_function.path=examples/judge_reward/compute_score.py",
+                          "judge.weight=0.5", "judge.rule_weight=0.5")
+    try:
+        # the judge server killed at step 10: restarted on its port (launcher.max_restarts.judge); its
+        # gradings wait for it (the client's probe takes it back) instead of failing
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 10):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 10"
+            time.sleep(0.2)
+        judge_pid = json.loads((run_dir / "pids.json").read_text())["roles"]["judge0"]
+        os.kill(judge_pid, signal.SIGKILL)
+        rc, out = launcher_finish(proc, timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restart_counts"]["judge"] == 1 and [r["role"] for r in summary["restarts"]] == ["judge0"], summary
     # the run ends at its criterion: the mean grade of the last 5 steps ≥ 0.8 (from ~0.01 at the start)
     assert summary["exit_reason"] == "reward_reached", summary
     assert summary["reward_first"] < 0.2 and summary["steps"] < 300, summary
