@@ -28,8 +28,8 @@ JUDGE_TEMPLATE = "{question}={response}?"
 VERDICT_TOKENS = ("Y", "N")
 
 # The recipe; the cache directory's name carries JUDGE_VERSION: change the recipe → bump it.
-JUDGE_VERSION = 1
-JUDGE_TRAIN = dict(steps=1200, batch_size=64, lr=3e-3, threads=1)
+JUDGE_VERSION = 2
+JUDGE_TRAIN = dict(steps=700, batch_size=64, lr=4e-3, threads=1)
 JUDGE_SEED = 11
 
 
@@ -81,7 +81,7 @@ def judge_accuracy(model_dir: str) -> float:
 
 
 def ensure_demo_judge(model_dir: str, *, log=None) -> str:
-    """The trained demo judge in `model_dir` unless it has one (~10 s on 2 cores). Built in a temporary
+    """The trained demo judge in `model_dir` unless it has one (~15 s on 2 cores). Built in a temporary
     directory and renamed, so two launchers racing on first use never load a half-trained judge."""
     from areal_like.data.sft import supervised_finetune
     from areal_like.data.tiny_model import ensure_tiny_model
@@ -89,7 +89,7 @@ def ensure_demo_judge(model_dir: str, *, log=None) -> str:
     if os.path.exists(os.path.join(model_dir, "config.json")):
         return model_dir
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    log(f"building the demo judge in {model_dir} (once; ~10 s on 2 cores): {JUDGE_TRAIN}")
+    log(f"building the demo judge in {model_dir} (once; ~15 s on 2 cores): {JUDGE_TRAIN}")
 
     def train(tmp: str) -> None:
         stats = supervised_finetune(tmp, _example, seed=JUDGE_SEED, log=log, what="demo judge", **JUDGE_TRAIN)

@@ -130,7 +130,7 @@ DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERS
 
 # The demo judge (configs/judge_demo.yaml, data/demo_judge.py): a tiny model trained to grade the next-digit
 # task (its cache name carries the recipe's version).
-DEMO_NAMES.update({"demo:next-digit-judge": "next-digit-judge-v1"})
+DEMO_NAMES.update({"demo:next-digit-judge": "next-digit-judge-v2"})  # v = demo_judge.JUDGE_VERSION
 
 
 # A real architecture (Qwen3-0.6B's config, random init, Qwen3's tokenizer) and gsm8k-style chat data:

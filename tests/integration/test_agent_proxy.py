@@ -148,7 +148,7 @@ class StubReward:
     def __init__(self):
         self.texts = []
 
-    async def score(self, data_source, text, ground_truth, extra_info=None):
+    async def score(self, data_source, text, ground_truth, extra_info=None, *, question="", key=None):
         self.texts.append(text)
         return 0.25
 

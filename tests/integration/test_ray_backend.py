@@ -187,29 +187,49 @@ def test_ray_allocation_too_big_for_the_cluster_names_it(tmp_path, demo_assets, 
 
 def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path, demo_assets):
     """No --ray-address and no $RAY_ADDRESS: a local Ray cluster for the run (3 logical devices for the
-    CPU run), ended with it. The allocation has a judge pool (issue 43 item 3): its server is a Ray actor
-    on the plan's device, and grades every sample (here the demo model itself serves as the judge: half
-    of each reward is its p(Y) / (p(Y) + p(N)) after the sample, half the demo's rule reward)."""
+    CPU run), ended with it; its nodes inherit the user's environment, yet no generation or judge server
+    gets the run's Redis password or the user's REDIS_* secrets (issue 24 item 11), and the Redis metrics
+    endpoint is served on the driver's node. The allocation has a judge pool (issue 43 item 3): its server
+    is a Ray actor on the plan's device, and grades every sample (here the demo model itself serves as the
+    judge: half of each reward is its p(Y) / (p(Y) + p(N)) after the sample, half the demo's rule reward)."""
+    from test_redis_exporter import DECOY, _redis_conf, _redis_target, _scrape
+
     model, data = demo_assets
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | RAY_ENV
+    env |= {"AREAL_LIKE_REDIS_PASSWORD": DECOY, "REDIS_PASSWORD": DECOY}
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", "--config", "configs/demo.yaml", "--backend", "ray",
                              "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1",
                              "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
-                             "train.total_steps=6", f"judge.model_path={model}", "judge.score_rule=verdict",
+                             "train.total_steps=100000", f"judge.model_path={model}", "judge.score_rule=verdict",
                              "judge.verdict_tokens=[Y,N]", "judge.top_logprobs_num=100", "judge.weight=0.5",
                              "judge.rule_weight=0.5", "judge.prompt_template='{question}={response}?'"],
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out = launcher_finish(proc, timeout=300)[1]
-    assert proc.returncode == 0, out[-4000:]
+    try:
+        _wait(lambda: _steps(run_dir) >= 4, proc, time.monotonic() + 300, "step 4")
+        password = _redis_conf(str(run_dir))["requirepass"]
+        for role in ("server0", "judge0"):
+            pid = json.loads((run_dir / "pids.json").read_text())["roles"][role]
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+            names = {kv.split(b"=", 1)[0].decode() for kv in environ.split(b"\0") if kv}
+            assert password.encode() not in environ and DECOY.encode() not in environ, \
+                (role, sorted(n for n in names if "REDIS" in n))
+            assert "AREAL_LIKE_ADMIN_API_KEY" in names, role
+        assert _scrape(_redis_target(str(run_dir)))["redis_up"] == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+    rc, out = launcher_finish(proc, timeout=300)
+    assert rc == 130, out[-4000:]
     assert "local Ray cluster: no GPU here; 3 logical device(s) declared for the CPU run" in out, out[-3000:]
     status = json.loads(launcher_cli("status", "--run-dir", str(run_dir), "--json")[1])
     assert status["backend"] == "ray" and len({r["ray_node_id"] for r in status["roles"] if r.get("ray_node_id")}) == 1
     judge = next(r for r in status["roles"] if r["name"] == "judge0")
     assert (judge["node"], judge["devices"], judge["state"]) == (0, [2], "ended"), judge  # the plan's device 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 6 and not any(summary["reward_failures"].values()), summary
+    assert summary["steps"] >= 4 and not any(summary["reward_failures"].values()), summary
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # half the rule's 0 / 0.5 / 1 averages to multiples of 1/4 ÷ samples; the judge's probabilities do not
     assert all(0 < r < 1 for r in rewards) and any(abs(r * 512 - round(r * 512)) > 1e-6 for r in rewards), rewards

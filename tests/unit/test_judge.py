@@ -133,3 +133,10 @@ def test_the_demo_judges_training_verdicts_agree_with_the_tasks_scorer():
         question, response = prompt[:prompt.index("=")], prompt[prompt.index("=") + 1:-1]  # digits, then "="
         answer = str((int(question[-1]) + 1) % 10)  # the next-digit task: prompt "4071" → "2"
         assert (verdict == "Y") == (demo_compute_score(response, answer) == 1.0), (prompt, verdict)
+
+
+def test_the_demo_judges_cache_name_carries_its_recipe_version():
+    from areal_like.data.demo_judge import JUDGE_VERSION
+    from areal_like.data.demo_task import DEMO_NAMES
+
+    assert DEMO_NAMES["demo:next-digit-judge"] == f"next-digit-judge-v{JUDGE_VERSION}"
