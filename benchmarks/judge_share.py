@@ -8,8 +8,8 @@ data and settings, `algorithm.adv_estimator=dr_grpo` as the judge demo uses) rew
 
 each for `--steps` steps (no early stop). Per run: steady-state trained samples/s (after the first step,
 from metrics.jsonl times, as `launcher tune`), the step at which the 5-step mean reward first reaches 0.8,
-and for the judge runs the gradings' mean latency and the judge-busy share of the run (Σ grading time over
-the rollout worker's wall time: several gradings overlap, so it can exceed 1), from the rollout worker's
+and for the judge runs the gradings' mean latency and the mean number of gradings in flight (Σ grading time
+over the run's wall time, Little's law), from the rollout worker's
 Prometheus series `areal_like_judge_latency_seconds`, scraped every second while the run lasts.
 
 Usage: python benchmarks/judge_share.py [--steps 150] [--repeats 2] [--keep DIR]
@@ -81,7 +81,7 @@ def run(kind: str, steps: int, run_dir: str) -> dict:
         count = last.get("areal_like_judge_latency_seconds_count", 0.0)
         total = last.get("areal_like_judge_latency_seconds_sum", 0.0)
         out |= {"gradings": count, "grading_latency_ms": 1000 * total / count if count else None,
-                "judge_busy_share": total / wall}
+                "gradings_in_flight_mean": total / wall}
     return out
 
 
