@@ -5,7 +5,7 @@
                                               with format_score=FORMAT_SCORE (reward.format_score)
 
 Frames both ways: 4-byte little-endian length + msgpack (no pickle crosses the process boundary).
-Request  [data_source, solution_str, ground_truth, extra_info, question]
+Request  [data_source, solution_str, ground_truth, extra_info(, question: in a run with a judge)]
          (a user's function with a `judge` parameter gets `judge=JudgeClient(question)` as well:
           judge_client.py, the run's judge servers from $AREAL_LIKE_JUDGE_CLIENT)
 Reply    {"ok": true, "score": float}

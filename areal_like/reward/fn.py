@@ -272,7 +272,9 @@ class RewardFn:
                 return self._ok(to_score(value))
             except Exception as e:  # custom.ScoreError
                 return self._failed(getattr(e, "kind", "not_a_number"), data_source, f"{type(e).__name__}: {e}")
-        return await self._score_isolated([data_source, solution_str, ground_truth, extra_info or {}, question])
+        args = [data_source, solution_str, ground_truth, extra_info or {}]
+        # the question only travels where a custom function's JudgeClient may need it (a run with a judge)
+        return await self._score_isolated(args + [question] if self.judge is not None else args)
 
     async def _acquire(self) -> "_Worker | tuple[str, str]":
         """A worker, or the text of the failure (a timeout waiting for one, or a worker that cannot start)."""
