@@ -523,7 +523,8 @@ class Run:
 
     def _start_sglang_servers(self, env, while_loading: Callable[[], None]) -> list[str]:
         """Real SGLang, one server per generation DP replica, on the GPUs the plan gives it."""
-        from areal_like.engine.sglang_args import SGLangNotInstalled, build_sglang_servers, sglang_server_flags
+        from areal_like.engine.sglang_args import (SGLangNotInstalled, build_sglang_servers, delta_loader_dir,
+                                                   sglang_server_flags)
 
         cfg, plan = self.cfg, self.plan
         names = [f"server{i}" for i in range(self.n_servers)]
@@ -550,6 +551,8 @@ class Run:
                                        mem_fraction_static=cfg.server.mem_fraction_static,
                                        lora_rank=cfg.model.lora_rank, lora_targets=lora_target_modules(
                                            cfg.model.target_modules) if cfg.model.lora_rank > 0 else (),
+                                       delta_loader=delta_loader_dir(self.run_dir) if cfg.weights.sync == "delta"
+                                       else None,
                                        # the workflows' limit, also SGLang's (else it takes the model's)
                                        extra_args=["--context-length", str(cfg.resolved_max_context_len())],
                                        # the keys: a 0600 --config file in the 0700 run dir, never argv (issue 24)

@@ -121,6 +121,26 @@ dest spelling (``api_key``) is an unknown flag to 0.5.23's parser (the conforman
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch",
               "--max-loaded-loras")
 
+# `weights.sync=delta`: SGLang applies a delta with the project's loader (weights/sglang_delta.py `LOADER`; this
+# module imports no torch, so the path is spelled here), imported through a directory on its PYTHONPATH that
+# holds the package alone (`delta_loader_dir`).
+DELTA_LOADER = "areal_like.weights.sglang_delta.load_delta"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def delta_loader_dir(parent: str) -> str:
+    """A directory under `parent` holding one entry, `areal_like` (a link to this package), for an SGLang server's
+    PYTHONPATH: SGLang imports the delta loader from it and sees nothing else of the learner's environment
+    (a non-editable install's whole site-packages on its path would shadow SGLang's own torch)."""
+    d = os.path.join(parent, "sglang_pythonpath")
+    os.makedirs(d, exist_ok=True)
+    link = os.path.join(d, "areal_like")
+    if os.path.realpath(link) != os.path.realpath(_PACKAGE_DIR):
+        if os.path.lexists(link):
+            os.unlink(link)
+        os.symlink(_PACKAGE_DIR, link)
+    return d
+
 WeightUpdate = Literal["distributed", "disk", "memory"]
 
 
@@ -206,6 +226,7 @@ def build_sglang_servers(
     weight_version: str = "0",
     lora_rank: int = 0,
     lora_targets: Sequence[str] = (),
+    delta_loader: str | None = None,
     extra_args: Sequence[str] = (),
     python: str = sys.executable,
     supported_flags: Collection[str] | None = None,
@@ -225,6 +246,8 @@ def build_sglang_servers(
     --lora-target-modules lora_targets… --max-loras-per-batch 2 --max-loaded-loras 2`` (the run's one
     adapter, replaced by every push, plus room for the base model's rows); no adapter is loaded at
     start: the learner's first push loads it.
+    ``delta_loader`` (`weights.sync=delta`): a `delta_loader_dir`; ``--custom-weight-loader`` names the project's
+    delta loader (weights/sglang_delta.py) and that directory goes first on the server's PYTHONPATH.
     ``supported_flags``: the release's flags (`sglang_server_flags`); None = assume a current
     release. ``secrets_file``: where the keys go (required when a key is set): argv gets
     ``--config secrets_file`` and each process's `SGLangProcess.write_secrets` writes the keys there
@@ -290,6 +313,15 @@ def build_sglang_servers(
                                   "which this SGLang release lacks: upgrade sglang or set model.lora_rank=0")
         lora = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules", *lora_targets,
                 "--max-loras-per-batch", "2", "--max-loaded-loras", "2"]
+    delta: list[str] = []
+    server_env = dict(SERVER_ENV)
+    if delta_loader:
+        if flags is not None and "--custom-weight-loader" not in flags:
+            raise SGLangArgsError("weights.sync=delta reaches SGLang through its --custom-weight-loader, which this "
+                                  "SGLang release lacks: upgrade sglang or set weights.sync=full")
+        delta = ["--custom-weight-loader", DELTA_LOADER]
+        path = os.environ.get("PYTHONPATH")
+        server_env["PYTHONPATH"] = delta_loader + (os.pathsep + path if path else "")
     secrets = {_SECRET_KEYS[f][0]: v for f, v in (("--api-key", api_key), ("--admin-api-key", admin_api_key)) if v}
     if secrets:
         names = " and ".join(_SECRET_KEYS[f][1] for f, v in (("--api-key", api_key), ("--admin-api-key", admin_api_key))
@@ -347,6 +379,7 @@ def build_sglang_servers(
                                       "SGLang release lacks: upgrade sglang or set model.fp32_lm_head=false")
             common.append("--enable-fp32-lm-head")
         common += lora
+        common += delta
         if secrets:  # the keys themselves go into the 0600 file; argv names only the file
             common += ["--config", secrets_file]
         procs = []
@@ -361,7 +394,7 @@ def build_sglang_servers(
                 argv += ["--dist-init-addr", f"{node_hosts[shares[0][0]]}:{dist_init_ports[k]}",
                          "--nnodes", str(len(shares)), "--node-rank", str(rank)]
             argv += list(extra_args)
-            procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(SERVER_ENV),
+            procs.append(SGLangProcess(node=node, node_rank=rank, argv=tuple(argv), env=dict(server_env),
                                        secrets_file=secrets_file if secrets else None, secrets=dict(secrets)))
         out.append(SGLangServer(index=sp.index, url=f"http://{url_host(node_addr)}:{ports[k]}", host=bind,
                                 port=ports[k], tp=gen.tp, pp=gen.pp, seed=seed_list[k], processes=tuple(procs)))

@@ -30,12 +30,15 @@ class ServerAdmin:
 
     Subclasses extend `init()` / `close()` (calling these) and use `_post`, `_all`, `_begin_or_end`."""
 
-    def __init__(self, servers: list[str], *, timeout_s: float, admin_api_key: str | None):
+    def __init__(self, servers: list[str], *, timeout_s: float, admin_api_key: str | None, api_key: str | None = None):
         if not servers:
             raise ValueError(f"{type(self).__name__} needs at least one server URL")
         self.server_urls = [u.rstrip("/") for u in servers]
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+        # Reads of a server's normal routes (/model_info's weight version): SGLang takes only the API key there
+        # once one is set (its admin key is refused with 401); without one, the admin headers as before
+        self._read_headers = {"Authorization": f"Bearer {api_key}"} if api_key else self._headers
         self._session: aiohttp.ClientSession | None = None
         self._begin_end: dict[str, bool] = {}  # server → speaks /begin_weight_update (SGLang ≥ 0.5.21)
 

@@ -49,7 +49,7 @@ async def servers_hold(admin: ServerAdmin, version: int) -> bool:
 
     async def one(url: str) -> str | None:
         try:
-            async with admin._session.get(url + "/model_info", headers=admin._headers,
+            async with admin._session.get(url + "/model_info", headers=admin._read_headers,
                                           timeout=aiohttp.ClientTimeout(total=admin.timeout_s)) as resp:
                 return str((await resp.json(content_type=None)).get("weight_version")) if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as e:

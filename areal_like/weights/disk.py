@@ -274,9 +274,9 @@ class DiskWeightPusher(ServerAdmin):
     """Push weights as an HF checkpoint dir the servers load with /update_weights_from_disk."""
 
     def __init__(self, servers: list[str], *, out_dir: str, model_path: str | None = None, timeout_s: float = 300.0,
-                 admin_api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None,
+                 admin_api_key: str | None = None, api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None,
                  shard_bytes: int = 512 << 20, sync: str = "full", check_every: int = 0):
-        super().__init__(servers, timeout_s=timeout_s, admin_api_key=admin_api_key)
+        super().__init__(servers, timeout_s=timeout_s, admin_api_key=admin_api_key, api_key=api_key)
         # `weights.sync=delta`: what the servers hold, as last written (host memory), and its version; a push
         # whose servers all hold it writes only the changed elements (`write_delta_dir`)
         self.sent = delta_sync.sent_copy(sync)

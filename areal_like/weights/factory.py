@@ -22,7 +22,9 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     """The pusher `cfg.weights.mode` asks for, to the servers of `endpoints` (`api.run_files.Endpoints`).
 
     distributed: bucketed broadcast in a group rank 0 forms on `weight_port`; a fresh group name per
-    incarnation (a learner that died mid-push leaves its group behind on the servers). A LoRA run
+    incarnation (a learner that died mid-push leaves its group behind on the servers). With
+    `weights.sync=delta`, SGLang servers get each delta by value through /update_weights_from_tensor
+    (weights/sglang_delta.py), embedded ones over the group. A LoRA run
     (`model.lora_rank` > 0) with SGLang servers: the adapter by value over HTTP instead
     (/load_lora_adapter_from_tensors, weights/adapter_tensors.py) — SGLang has no NCCL route for adapters.
     disk: HF checkpoint dirs under `<run_dir>/weights_disk/` (the newest two kept; safetensors files of
@@ -48,6 +50,7 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
     if mode == "disk":
         return DiskWeightPusher(endpoints.servers, out_dir=os.path.join(run_dir, DISK_DIR), model_path=model_path,
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
+                                api_key=cfg.server.api_key,
                                 dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20),
                                 sync=cfg.weights.sync, check_every=cfg.weights.check_every)
     lora = cfg.model.lora_rank > 0
@@ -74,10 +77,12 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
         return WeightPusher(
             endpoints.servers, master_addr=endpoints.learner_host, master_port=weight_port,
             backend=endpoints.weight_backend, bucket_bytes=int(cfg.weights.bucket_mb * 2**20),
-            timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
+            timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key, api_key=cfg.server.api_key,
             devices_per_server=devices, group_name=f"weight_update_group_{incarnation}", dtype=dtype,
             # our embedded servers receive bucket k+1 while they load bucket k; SGLang (NCCL) does not
             overlap_loads=endpoints.weight_backend != "nccl",
             sync=cfg.weights.sync, check_every=cfg.weights.check_every,
+            # a delta to SGLang goes by value through its /update_weights_from_tensor (weights/sglang_delta.py)
+            delta_route="tensor" if endpoints.weight_backend == "nccl" else "broadcast",
         )
     raise ValueError(f"weights.mode={mode!r}: use 'auto', 'distributed', 'disk' or 'memory'")

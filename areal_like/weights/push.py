@@ -102,12 +102,17 @@ class FlatBuffers:
 class WeightPusher(ServerAdmin):
     def __init__(self, server_urls: list[str], *, master_addr: str = "127.0.0.1", master_port: int,
                  backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
-                 admin_api_key: str | None = None, group_name: str = "weight_update_group",
+                 admin_api_key: str | None = None, api_key: str | None = None, group_name: str = "weight_update_group",
                  devices_per_server: list[int] | None = None, flattened: bool = True,
                  dtype: str | torch.dtype | None = None, overlap_loads: bool = False, sync: str = "full",
-                 check_every: int = 0):
-        super().__init__(server_urls, timeout_s=timeout_s, admin_api_key=admin_api_key)
+                 check_every: int = 0, delta_route: str = "broadcast"):
+        super().__init__(server_urls, timeout_s=timeout_s, admin_api_key=admin_api_key, api_key=api_key)
         self.overlap_loads = overlap_loads
+        # How a delta reaches the servers: `broadcast` (our embedded servers: the group, staged while they
+        # generate) or `tensor` (SGLang: /update_weights_from_tensor by value, applied by weights/sglang_delta.py)
+        if delta_route not in ("broadcast", "tensor"):
+            raise ValueError(f"delta_route={delta_route!r}: use 'broadcast' (embedded servers) or 'tensor' (SGLang)")
+        self.delta_route = delta_route
         # `weights.sync=delta`: what the servers hold, as last sent (host memory), and the version it makes up;
         # a push whose servers all hold that version sends only the changed elements (weights/delta.py)
         self.sent = delta_sync.sent_copy(sync)
@@ -380,6 +385,8 @@ class WeightPusher(ServerAdmin):
         assert sent is not None and sent.version is not None
         base = str(sent.version)
         packed, changed, numel = await asyncio.to_thread(delta_sync.diff, sent, src, self.dtype, self.bucket_bytes)
+        if self.delta_route == "tensor":
+            return await self._update_delta_tensor(packed, changed, numel, base, version, paused, t0)
         commit = ([], torch.zeros(deltas_.ALIGN, dtype=torch.uint8))  # sets the version: the servers apply
         device = src.device
         total = 0
@@ -412,6 +419,36 @@ class WeightPusher(ServerAdmin):
         metrics.PUSH_SECONDS.observe(t_end - t0)
         return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused, bytes=total, buckets=len(packed) + 1,
                           delta=True, changed=changed / max(1, numel))
+
+    async def _update_delta_tensor(self, packed: delta_sync.Packed, changed: int, numel: int, base: str,
+                                   version: int, paused: bool, t0: float) -> PushResult:
+        """SGLang's side of `weights.sync=delta` (weights/sglang_delta.py): the packed buckets by value in one
+        /update_weights_from_tensor per server (one copy per TP rank), applied by the loader the launcher
+        registered (`--custom-weight-loader`), inside begin/end_weight_update. Serialized before the pause;
+        the bytes travel inside it (SGLang stages nothing while it generates)."""
+        from areal_like.weights import sglang_delta
+
+        payload = await asyncio.to_thread(sglang_delta.serialize, sglang_delta.named_tensors(packed, base))
+        t_paused = time.perf_counter()
+        if not paused:
+            await self.pause("abort")
+        t_paused = time.perf_counter()
+        await self._begin_or_end("/begin_weight_update")
+        bodies = [{"serialized_named_tensors": [payload] * ndev, "load_format": sglang_delta.LOADER,
+                   "flush_cache": False, "abort_all_requests": False, "weight_version": str(version)}
+                  for ndev in self.devices]
+        await asyncio.gather(*(self._post(u, "/update_weights_from_tensor", b)
+                               for u, b in zip(self.server_urls, bodies)))
+        await self._begin_or_end("/end_weight_update")
+        if not paused:
+            await self._all("/flush_cache", {})
+            await self.resume()
+        t_end = time.perf_counter()
+        self.sent.version = version  # every server applied it (the copy followed during the diff)
+        metrics.PUSH_SECONDS.observe(t_end - t0)
+        return PushResult(push_s=t_end - t0, pause_window_s=t_end - t_paused,
+                          bytes=sum(buf.numel() for _, buf in packed), buckets=len(packed), delta=True,
+                          changed=changed / max(1, numel))
 
     async def check(self, weights: WeightSource | list[tuple[str, torch.Tensor]], version: int) -> int:
         """Compare every server's per-tensor checksums with a full push of `version` (`delta_sync.check_servers`)."""

@@ -19,6 +19,19 @@ What is SGLang's own code here, unchanged:
   buckets through `FlattenedTensorBucket.empty`, which checks alignment) and
   `destroy_weights_update_group`.
 
+Delta weight sync (`--custom-weight-loader`, `weights.sync=delta`): the harness then also builds SGLang's own
+model class for the model dir's config (its `Qwen2ForCausalLM`: stacked `qkv_proj` / `gate_up_proj`,
+vocab-parallel embedding, each parameter with SGLang's weight loader; built on CPU at SGLang's dtype, one
+TP rank) — no forward ever runs. Full pushes then load into it through SGLang's
+`WeightUpdater.load_weights_from_distributed` after the receive (as the scheduler does), and a
+`/update_weights_from_tensor` whose `load_format` is a registered custom loader runs SGLang's
+`WeightUpdater.update_weights_from_tensor` on it (SGLang's SafeUnpickler, `dynamic_import` of the loader, the
+loader on the model), inside the scheduler's begin/end session rule; `/_recorder` then also returns
+the SHA-256 of every model parameter. Where the stand-in differs: a loader that raises would end a real
+scheduler (and with it the server); here the request fails with the error and the server stays up.
+One more module-level stub for this: `vllm._custom_ops` (SGLang's rotary-embedding module imports its
+kernel for a non-CUDA platform at construction; no forward calls it).
+
 LoRA (`--enable-lora`): the tokenizer side is SGLang's own — its `LoRARegistry`, and
 TokenizerManager's own `load_lora_adapter`, `load_lora_adapter_from_tensors`, `unload_lora_adapter`
 (duplicate names, waits for requests holding an adapter, LRU eviction) and `_validate_and_resolve_lora`
@@ -122,11 +135,17 @@ def main() -> None:
     # The model runner's default group (its TP group): one rank, as a t1 server has.
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='sglang-tp-')}",
                             rank=0, world_size=1)
-    updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                            get_model=lambda: None, update_model_fields=lambda **k: None,
+    model, model_config = (_build_model(server_args, tempfile.mktemp(prefix="sglang-mp-"))
+                           if server_args.custom_weight_loader else (None, None))
+    updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=model_config,
+                            custom_weight_loaders=list(server_args.custom_weight_loader or []),
+                            get_model=lambda: model, update_model_fields=lambda *a, **k: None,
                             recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
 
     rec = Recorder(server_args, updater, hs.ServerStatus)
+    if model is not None:  # what /model_info reads of the manager (the learner reads the weight version there)
+        rec.model, rec.model_config = model, model_config
+        rec.model_path = rec.served_model_name = server_args.model_path
     # A release without the session routes (< 0.5.21) loads updates without a session.
     rec.session_required = "/begin_weight_update" not in args.drop_route
     for path in args.drop_route:
@@ -134,9 +153,34 @@ def main() -> None:
 
     @hs.app.get("/_recorder")
     async def _recorder():
-        return ORJSONResponse({"events": rec.events, "received": rec.received})
+        params = {} if model is None else {n: {"sha256": _sha(p), "dtype": str(p.dtype).removeprefix("torch."),
+                                               "shape": list(p.shape)} for n, p in model.named_parameters()}
+        return ORJSONResponse({"events": rec.events, "received": rec.received, "params": params})
 
     hs._setup_and_run_http_server(server_args, rec, None, None, [{}], None)
+
+
+def _build_model(server_args, init_file: str):
+    """SGLang's own model class for the model dir's config, on CPU at SGLang's dtype, as TP rank 0 of 1 (see the
+    module doc); returns it and its ModelConfig."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.model_loader.utils import get_model_architecture, set_default_torch_dtype
+    from sglang.srt.runtime_context import SpawnRanks, publish
+
+    stub = types.ModuleType("vllm._custom_ops")
+    stub.rotary_embedding = None  # imported by RotaryEmbedding.__init__ off CUDA; only a forward would call it
+    sys.modules.setdefault("vllm", types.ModuleType("vllm"))
+    sys.modules.setdefault("vllm._custom_ops", stub)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=None))
+    parallel_state.init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                                distributed_init_method=f"file://{init_file}")
+    parallel_state.initialize_model_parallel(backend="gloo")
+    model_config = ModelConfig.from_server_args(server_args)
+    cls, _ = get_model_architecture(model_config)
+    with set_default_torch_dtype(model_config.dtype):
+        model = cls(model_config.hf_config)
+    return model, model_config
 
 
 def _origin(t) -> int | None:
@@ -168,6 +212,7 @@ class Recorder:
         self.events: list[dict] = []
         self.received: dict[str, dict] = {}  # name → {sha256, dtype, shape} of the last received tensor
         self.updater = updater
+        self.model = None  # SGLang's model, built for --custom-weight-loader (see the module doc)
         self.session = False
         self.session_required = True
         self.paused = False
@@ -257,6 +302,8 @@ class Recorder:
 
         from sglang.srt.utils.common import MultiprocessingSerializer
 
+        if self.model is not None and obj.load_format in (self.updater.custom_weight_loaders or []):
+            return await self._load_with_custom_loader(obj)
         payloads, origins = [], []
         for b in obj.serialized_named_tensors:
             if obj.load_format is None:  # SGLang's own format: deserialised as its TP workers do
@@ -272,6 +319,32 @@ class Recorder:
                     flush_cache=obj.flush_cache, weight_version=obj.weight_version, payloads=payloads, origins=origins,
                     abort_all_requests=obj.abort_all_requests, success=True)
         return True, "recorded"
+
+    async def _load_with_custom_loader(self, obj):
+        """What SGLang's scheduler does with an update from tensors, on TP rank 0: the session rule, SGLang's
+        own deserializer on this rank's entry, the model runner's `update_weights_from_tensor` (which imports
+        and calls the loader `load_format` names), the version recorded after success."""
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
+        kw = dict(load_format=obj.load_format, weight_version=obj.weight_version, flush_cache=obj.flush_cache,
+                  payloads=len(obj.serialized_named_tensors))
+        if self.session_required and not self.session:
+            self._event("update_tensor", success=False, error="outside a session", **kw)
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        try:
+            named = MultiprocessingSerializer.deserialize(bytes(obj.serialized_named_tensors[0]))
+            ok, msg = await asyncio.to_thread(self.updater.update_weights_from_tensor, named_tensors=named,
+                                              load_format=obj.load_format)
+        except Exception as e:  # a real scheduler would end here (see the module doc)
+            self._event("update_tensor", success=False, error=f"{type(e).__name__}: {e}", **kw)
+            return False, f"{type(e).__name__}: {e}"
+        self._event("update_tensor", success=ok, error=None if ok else msg, **kw)
+        if ok and obj.weight_version is not None:
+            self._event("weight_version", type="update_weights_from_tensor", new_version=obj.weight_version,
+                        abort_all_requests=False)
+        if ok and obj.flush_cache:
+            self._event("flush", via="update_weights_from_tensor")
+        return ok, msg
 
     async def freeze_gc(self):  # SGLang's post-warm-up call
         pass
@@ -301,6 +374,9 @@ class Recorder:
 
     def create_abort_task(self, obj):
         return None
+
+    def config_value(self, name: str):  # the manager's view of a config field (/model_info)
+        return self.weight_version() if name == "weight_version" else getattr(self.server_args, name, None)
 
     def weight_version(self) -> str:
         v = self.server_args.weight_version
@@ -425,6 +501,12 @@ class Recorder:
         for name, t in weights:
             self.received[name] = {"sha256": _sha(t), "dtype": str(t.dtype).removeprefix("torch."),
                                    "shape": list(t.shape)}
+        if self.model is not None:  # the scheduler loads what it received into the model
+            ok, msg = await asyncio.to_thread(self.updater.load_weights_from_distributed, weights)
+            if not ok:
+                self._event("update", names=obj.names, success=False, weight_version=obj.weight_version,
+                            flush_cache=obj.flush_cache, load_format=obj.load_format, error=msg)
+                return False, msg
         self._event("update", names=obj.names, success=True, weight_version=obj.weight_version,
                     flush_cache=obj.flush_cache, load_format=obj.load_format)
         if obj.flush_cache:  # the scheduler's flush_cache_after_weight_update

@@ -36,8 +36,8 @@ import torch
 from allocation import place
 from areal_like.api.net import free_port
 from areal_like.engine.client import GenerationClient
-from areal_like.engine.sglang_args import (SUPPORTED_SGLANG, build_sglang_servers, require_sglang,
-                                           sglang_server_flags)
+from areal_like.engine.sglang_args import (SUPPORTED_SGLANG, build_sglang_servers, delta_loader_dir,
+                                           require_sglang, sglang_server_flags)
 from areal_like.weights import CudaIpcWeightPusher, SharedMemoryWeightPusher, WeightPusher
 from areal_like.weights.adapter import AdapterWeights, adapter_config, file_key
 from areal_like.weights.adapter_tensors import AdapterTensorPusher
@@ -106,12 +106,13 @@ class Harness:
 
 
 def start_harness(tmp_path, model_dir, flags, *, extra_args=(), drop_routes=(), env=None,
-                  allocation="sglang:d1+fsdp:d1", lora_rank=0, lora_targets=()) -> Harness:
+                  allocation="sglang:d1+fsdp:d1", lora_rank=0, lora_targets=(), delta_loader=False) -> Harness:
     """Start SGLang's app with the argv and env the launcher builds; wait for its /health."""
     plan = place(allocation, None, 8)
     (server,) = build_sglang_servers(plan, model_path=model_dir, ports=[free_port()], seeds=11, api_key=API,
                                      admin_api_key=ADMIN, python=PY, supported_flags=flags,
                                      lora_rank=lora_rank, lora_targets=lora_targets,
+                                     delta_loader=delta_loader_dir(str(tmp_path)) if delta_loader else None,
                                      extra_args=["--context-length", "256", *extra_args],
                                      secrets_file=str(tmp_path / "sglang-secrets.yaml"))
     (proc,) = server.processes
@@ -119,8 +120,8 @@ def start_harness(tmp_path, model_dir, flags, *, extra_args=(), drop_routes=(), 
     proc.write_secrets()  # as the launcher does before starting the process
     argv = [PY, HARNESS, *(a for r in drop_routes for a in ("--drop-route", r)), "--", *proc.argv[3:]]
     log_path = tmp_path / f"sglang-{server.port}.log"
-    penv = {**os.environ, **(proc.env if env is None else env), "GLOO_SOCKET_IFNAME": "lo"}
-    penv.pop("PYTHONPATH", None)
+    penv = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the launcher's env alone decides it
+    penv.update({**(proc.env if env is None else env), "GLOO_SOCKET_IFNAME": "lo"})
     p = subprocess.Popen(argv, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=penv,
                          start_new_session=True, cwd=str(tmp_path))
     h = Harness(server, p, log_path)
@@ -709,3 +710,87 @@ def test_sglangs_side_of_the_weight_group_waits_30_minutes_and_takes_no_timeout(
     assert facts["call_keywords"] and all("timeout" not in kw for kw in facts["call_keywords"]), facts
     assert facts["default_none"] and facts["none_means_default_pg_timeout"], facts
     assert facts["default_pg_timeout_s"] == 1800.0, facts
+
+
+# ------------------------------------------------------------------------------------------ delta sync (issue 42)
+def _qwen2_weights(model_dir: str, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The conformance model's weights as a learner pushes them: Hugging Face names, fp32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), torch_dtype=torch.float32)
+    return [(n, p.detach().clone()) for n, p in m.named_parameters()]
+
+
+def _step(named: list[tuple[str, torch.Tensor]], seed: int, share: float) -> list[tuple[str, torch.Tensor]]:
+    """An RL step as the servers see it: a `share` of each matrix's elements moves past a bf16 rounding
+    boundary, the rest stays bit-equal in bf16; the norms change everywhere (a dense delta)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, t in named:
+        if "norm" in n:
+            out.append((n, t + 0.25))
+        else:
+            hit = torch.rand(t.shape, generator=g) < share
+            out.append((n, torch.where(hit, t * 1.5 + 0.01, t)))
+    return out
+
+
+def test_a_delta_reaches_sglangs_model_through_its_own_tensor_route_bit_exact(tmp_path, model_dir, flags, harness):
+    """Issue 42, SGLang's side of `weights.sync=delta`: the launcher's argv (`--custom-weight-loader`, the
+    package root on PYTHONPATH) is taken by SGLang's parser; the first push is full over SGLang's
+    distributed route; the next ones go by value through SGLang's /update_weights_from_tensor, deserialised by
+    SGLang's SafeUnpickler and applied by the project's loader through SGLang's own weight loaders into SGLang's
+    own Qwen2 model (stacked qkv_proj / gate_up_proj, bf16). After two deltas every parameter of SGLang's model
+    equals, byte for byte, what a full push of the same weights loads; a delta that does not decode is refused
+    and changes nothing."""
+    from areal_like.weights.sglang_delta import LOADER
+
+    h = harness(delta_loader=True, extra_args=["--dtype", "bfloat16"])
+    assert h.server.processes[0].argv[h.server.processes[0].argv.index("--custom-weight-loader") + 1] == LOADER
+    w1 = _qwen2_weights(model_dir, 0)
+    w2, w3 = _step(w1, 1, 0.02), None
+    w3 = _step(w2, 2, 0.05)
+
+    async def go():
+        p = WeightPusher([h.url], master_port=free_port(), backend="gloo", timeout_s=60, admin_api_key=ADMIN,
+                         api_key=API, dtype="bfloat16", sync="delta", delta_route="tensor")
+        try:
+            await p.init()
+            r1 = await p.update(w1, version=1)
+            r2 = await p.update(w2, version=2)
+            r3 = await p.update(w3, version=3)
+            after_delta = h.record()["params"]
+            # a payload that does not decode: refused, nothing written, the version kept
+            await p.pause("abort")
+            await p._begin_or_end("/begin_weight_update")
+            from areal_like.weights.sglang_delta import serialize
+            bad = serialize([("not a delta header", torch.zeros(8, dtype=torch.uint8))])
+            with pytest.raises(WeightPushError, match="not a delta bucket"):
+                await p._post(h.url, "/update_weights_from_tensor", {
+                    "serialized_named_tensors": [bad], "load_format": LOADER, "weight_version": "99"})
+            await p._begin_or_end("/end_weight_update")
+            await p.resume()
+            assert h.record()["params"] == after_delta
+            p.sent.invalidate()  # the same weights again, as a full push
+            r4 = await p.update(w3, version=4)
+            return r1, r2, r3, r4, after_delta
+        finally:
+            await p.close()
+
+    r1, r2, r3, r4, after_delta = asyncio.run(go())
+    assert (r1.delta, r2.delta, r3.delta, r4.delta) == (False, True, True, False)
+    assert r2.bytes < 0.25 * r1.bytes and r3.bytes < 0.35 * r1.bytes, (r1.bytes, r2.bytes, r3.bytes)
+    rec = h.record()
+    full = rec["params"]
+    assert set(full) >= {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"}
+    assert after_delta == full, [n for n in full if after_delta[n] != full[n]]
+    tensor_updates = [e for e in rec["events"] if e["kind"] == "update_tensor"]
+    assert [(e["load_format"], e["success"], e["weight_version"]) for e in tensor_updates] == [
+        (LOADER, True, "2"), (LOADER, True, "3"), (LOADER, False, "99")]
+    assert "not a delta bucket" in tensor_updates[-1]["error"]
+    # each delta push: pause, begin, the update, end, one flush, continue
+    i = next(k for k, e in enumerate(rec["events"]) if e["kind"] == "update_tensor")
+    start = max(k for k, e in enumerate(rec["events"][:i]) if e["kind"] == "pause")
+    window = [e["kind"] for e in rec["events"][start:] if e["kind"] != "generate"][:7]
+    assert window == ["pause", "begin", "update_tensor", "weight_version", "end", "flush", "continue"], window

@@ -25,10 +25,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = os.environ.get("AREAL_LIKE_SGLANG_CONFORMANCE_PYTHON", str(ROOT / ".venv-sglang-conformance" / "bin" / "python"))
 
 
-def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event, learners: dict[int, dict] | None = None) -> None:
+def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event, learners: dict[int, dict] | None = None,
+                     server_envs: dict[int, dict] | None = None) -> None:
     """What `ps` shows: every sglang.launch_server command line, read from /proc while the run lasts (and
-    into `learners`, each learner process's environment)."""
+    into `learners` each learner process's environment, into `server_envs` each server's)."""
     learners = {} if learners is None else learners
+    server_envs = {} if server_envs is None else server_envs
     while not stop.is_set():
         for pid in os.listdir("/proc"):
             if pid.isdigit() and int(pid) not in seen:
@@ -38,6 +40,13 @@ def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event, learners: dict
                     continue
                 if "sglang.launch_server" in cmd:
                     seen[int(pid)] = cmd.replace("\0", " ")
+                    try:  # its PYTHONPATH (the delta loader's package root), read once and never from an empty read
+                        env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+                    except OSError:
+                        env = []
+                    env_vars = dict(kv.split("=", 1) for kv in env if "=" in kv)
+                    if env_vars:
+                        server_envs[int(pid)] = env_vars
                 elif "areal_like.learner.main" in cmd and int(pid) not in learners:
                     # learner rank 0 (this run has one rank): its environment, read once. A process that exits
                     # between the two reads shows an empty environ (its memory is gone, no error): not recorded
@@ -69,7 +78,8 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
     seen: dict[int, str] = {}
     stop = threading.Event()
     learners: dict[int, dict] = {}
-    watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop, learners), daemon=True)
+    server_envs: dict[int, dict] = {}
+    watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop, learners, server_envs), daemon=True)
     watcher.start()
     try:
         rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--allocation", "sglang.d1p1t1+d1p1t1",
@@ -79,7 +89,9 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
                                # the learner's environment is read from /proc: a process of its own (a role
                                # forked by launcher.forkserver shows the fork server's /proc/<pid>/environ)
                                "launcher.forkserver=false",
-                               *(["model.lora_rank=8", "model.target_modules=[q_proj,v_proj,lm_head]"] if lora else []),
+                               # full weights: delta sync (issue 42), SGLang's --custom-weight-loader
+                               *(["model.lora_rank=8", "model.target_modules=[q_proj,v_proj,lm_head]"] if lora
+                                 else ["weights.sync=delta"]),
                                env=env, timeout=600)
     finally:
         stop.set()
@@ -107,4 +119,12 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
         lora_argv = ("--enable-lora --max-lora-rank 8 --lora-target-modules q_proj v_proj lm_head "
                      "--max-loras-per-batch 2 --max-loaded-loras 2")
         assert (lora_argv in cmd) == lora, cmd
+        # weights.sync=delta: SGLang applies deltas with the project's loader, imported from the package root
+        assert ("--custom-weight-loader areal_like.weights.sglang_delta.load_delta" in cmd) == (not lora), cmd
+    if not lora:
+        envs = [server_envs[pid] for pid in mine if pid in server_envs]
+        loader_dir = run_dir / "sglang_pythonpath"  # the package alone, linked: SGLang imports the loader from it
+        assert sorted(p.name for p in loader_dir.iterdir()) == ["areal_like"]
+        assert (loader_dir / "areal_like").resolve() == ROOT / "areal_like"
+        assert envs and all(e.get("PYTHONPATH", "").split(os.pathsep)[0] == str(loader_dir) for e in envs), envs
 

@@ -368,6 +368,30 @@ def test_lora_flags_are_sglangs_runtime_lora_and_a_release_without_them_is_refus
         build("sglang:d1+fsdp:d1", None, lora_rank=16)
 
 
+def test_delta_sync_registers_the_projects_loader_importable_from_a_dir_holding_the_package_alone(tmp_path):
+    """weights.sync=delta (issue 42): SGLang applies each delta with weights/sglang_delta.py's loader, named by
+    --custom-weight-loader and imported from a directory that holds only a link to the package (never the
+    learner's whole site-packages); a release without the flag is refused, naming the key."""
+    import importlib
+    import os
+
+    from areal_like.engine.sglang_args import DELTA_LOADER, delta_loader_dir
+    from areal_like.weights import sglang_delta
+
+    d = delta_loader_dir(str(tmp_path))
+    assert delta_loader_dir(str(tmp_path)) == d and os.listdir(d) == ["areal_like"]
+    assert os.path.samefile(os.path.join(d, "areal_like"), os.path.dirname(sglang_delta.__file__) + "/..")
+    module, fn = DELTA_LOADER.rsplit(".", 1)
+    assert DELTA_LOADER == sglang_delta.LOADER and getattr(importlib.import_module(module), fn) is sglang_delta.load_delta
+    (s,) = build("sglang:d1t2+fsdp:d2", None, delta_loader=d)
+    assert flag(s.processes[0].argv, "--custom-weight-loader") == DELTA_LOADER
+    assert s.processes[0].env["PYTHONPATH"].split(os.pathsep)[0] == d
+    (plain,) = build("sglang:d1t2+fsdp:d2", None)
+    assert "--custom-weight-loader" not in plain.processes[0].argv and "PYTHONPATH" not in plain.processes[0].env
+    with pytest.raises(SGLangArgsError, match="weights.sync=full"):
+        build("sglang:d1+fsdp:d1", None, delta_loader=d, supported_flags={"--model-path", "--port", "--tp-size"})
+
+
 def test_the_weight_senders_nccl_error_mode_aborts_without_tearing_down():
     """Issue 40 item 1, read from the torch the learner runs (its C++ header ships in the wheel): the
     value learner rank 0 gets for TORCH_NCCL_ASYNC_ERROR_HANDLING is CleanUpOnly — the watchdog aborts the
