@@ -15,7 +15,8 @@ SCRIPTS=(buffer_throughput client_overhead engine_vs_hf interrupt_cost learner_o
 # The real model learning in five modes (~1 h on 2 cores): `benchmarks/run_all.sh` runs it only with REAL_MODEL=1.
 if [ "${REAL_MODEL:-0}" = "1" ]; then SCRIPTS+=(real_model_learns); fi
 # Qwen3-0.6B shape, 60 learner steps (the broadcast at two lrs, disk at one; ~12 min, ~20 GiB): only with DELTA=1.
-if [ "${DELTA:-0}" = "1" ]; then SCRIPTS+=(delta_sync); fi
+# and delta vs full in a whole run on the same shape (two runs, ~8 min): also with DELTA=1.
+if [ "${DELTA:-0}" = "1" ]; then SCRIPTS+=(delta_sync delta_sync_run); fi
 # Heavy (~35 processes, ~11 GiB): `benchmarks/run_all.sh` runs it only with MISSION=1.
 if [ "${MISSION:-0}" = "1" ]; then SCRIPTS+=(mission_toy_ray); fi
 : > "$OUT/summary.txt"
