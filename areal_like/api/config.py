@@ -693,8 +693,8 @@ class WeightSyncConfig(_Section):
     a push after a server restart or a failed push, and a push to servers on another version are full.
     `weights.mode=distributed` (embedded servers: over the broadcast; SGLang servers: by value in the body of
     SGLang's /update_weights_from_tensor, applied by the project's `--custom-weight-loader`) or `disk` (a
-    directory per push: `delta.safetensors` and `delta.json`; embedded servers) — TRL's, slime's and verl's
-    delta sync."""
+    directory per push: `delta.safetensors` and `delta.json`, which SGLang servers read through the same
+    loader) — TRL's, slime's and verl's delta sync."""
     check_every: int = 0
     """Every k-th push, compare each server's per-tensor checksums (SGLang's /weights_checker `checksum`)
     with those of what a full push of the version sends; a difference fails the push, and the learner
@@ -1120,12 +1120,6 @@ class ExperimentConfig(_Section):
             if self.model.lora_rank > 0:
                 raise ConfigError(f"{key}: a LoRA run (model.lora_rank={self.model.lora_rank}) pushes the adapter "
                                   f"alone (megabytes); set weights.sync=full and weights.check_every=0")
-        if (self.weights.sync == "delta" and gen is not None and gen.backend == "sglang"
-                and self.resolved_weights_mode() == "disk"):
-            raise ConfigError("weights.sync=delta with weights.mode=disk reaches embedded servers only: SGLang loads "
-                              "a checkpoint dir whole from disk (no custom loader on that route); use "
-                              "weights.mode=distributed (the delta goes by value through /update_weights_from_tensor) "
-                              "or weights.sync=full")
         if not alloc.colocated and self.weights.mode == "memory":
             raise ConfigError(f"weights.mode=memory needs a co-located allocation (generation and training on the "
                               f"same devices, '|' between them, e.g. 'embedded:d1|fsdp:d1'); {self.allocation!r} "

@@ -451,7 +451,7 @@ class AdminRoutes:
         while generation runs. The body that sets `weight_version` applies it in one engine call (reading it
         first if it was not staged) if this server holds the manifest's `base_version` — else it refuses and
         nothing changes (the sender then pushes the full weights)."""
-        from areal_like.weights.disk import read_delta_dir
+        from areal_like.weights.delta import read_delta_dir
 
         staged = self._disk_delta
         if staged is None or staged[0] != path:

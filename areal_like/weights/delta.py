@@ -28,6 +28,8 @@ another version refuses it, and the sender sends full weights to servers whose v
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from areal_like.weights.receive import dtype_name, parse_dtype
+from areal_like.weights.safetensors_dir import SafetensorsDir
 
 ENCODINGS = ("sparse", "mask", "dense")
 BLOCK_BITS = 16  # sparse positions: 16-bit offsets within blocks of 2**16 elements
@@ -333,3 +336,28 @@ class SentCopy:
         else:
             old.view(-1).index_copy_(0, d.where, d.values)
         d.where = None  # the sender's positions are not sent (the bucket carries the block offsets)
+
+
+# ------------------------------------------------------------------ on disk (weights.mode=disk)
+DELTA_FORMAT = "areal_like.delta/1"
+DELTA_MANIFEST = "delta.json"
+DELTA_PREFIX = "delta"  # delta.safetensors: one uint8 tensor per packed bucket
+
+
+def read_delta_dir(path: str) -> tuple[dict, list[TensorDelta]]:
+    """(the manifest, every tensor's delta with its positions decoded) of a `write_delta_dir` directory;
+    ValueError naming the file when it is not one."""
+    where = os.path.join(path, DELTA_MANIFEST)
+    try:
+        with open(where) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a delta update's manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != DELTA_FORMAT:
+        raise ValueError(f"{where}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                         f"want {DELTA_FORMAT!r}")
+    files = SafetensorsDir(path, prefix=DELTA_PREFIX)
+    out: list[TensorDelta] = []
+    for b in manifest.get("buckets") or []:
+        out += [d.prepare() for d in unpack(files[str(b["tensor"])], [list(e) for e in b["deltas"]])]
+    return manifest, out

@@ -35,7 +35,9 @@ from areal_like.weights import delta as deltas_
 from areal_like.weights import delta_sync
 from areal_like.weights.adapter import ADAPTER_NAME, is_adapter, write_adapter_dir
 from areal_like.weights.admin import ServerAdmin, WeightPushError
+from areal_like.weights.delta import DELTA_FORMAT, DELTA_MANIFEST, DELTA_PREFIX, read_delta_dir  # noqa: F401 (re-exported)
 from areal_like.weights.receive import parse_dtype
+from areal_like.weights.safetensors_dir import SafetensorsDir, index_file, shard_files  # noqa: F401 (re-exported)
 from areal_like.weights.source import WeightSource, as_source, gather_in, plan_buckets, wire_dtype_of
 
 log = logging.getLogger(__name__)
@@ -43,100 +45,6 @@ log = logging.getLogger(__name__)
 # Files of an HF model dir that hold weights: never copied from `model_path` (ours replace them).
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-
-
-def shard_files(n: int, prefix: str = "model") -> list[str]:
-    """HF's file names of n shards: `model.safetensors` alone, else `model-00001-of-00003.safetensors` …
-    (with `model.safetensors.index.json` beside them)."""
-    return [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-
-
-def index_file(prefix: str = "model") -> str:
-    return f"{prefix}.safetensors.index.json"
-
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-def _safetensors_header(path: str) -> tuple[dict, int]:
-    """(header, offset of the data) of a safetensors file: 8 bytes little-endian header size, the JSON header."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-class SafetensorsDir:
-    """The tensors `write_safetensors_shards` (or `save_pretrained`) wrote under `prefix` in `path`,
-    read lazily by name (`name in d`, `d[name]`, on the host): one tensor in memory at a time,
-    whatever the model's size. Each tensor is read with plain file reads into its own storage — no
-    memory map, so a reader's resident memory is the tensors it holds, not the files it read."""
-
-    def __init__(self, path: str, prefix: str = "model") -> None:
-        index = os.path.join(path, index_file(prefix))
-        if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.isfile(os.path.join(path, f"{prefix}.safetensors")):
-            files = [f"{prefix}.safetensors"]
-        else:
-            raise FileNotFoundError(f"{path} has neither {prefix}.safetensors nor {index_file(prefix)}")
-        self._where: dict[str, tuple[str, dict, int]] = {}  # name → (file, its header entry, data offset)
-        for fname in files:
-            full = os.path.join(path, fname)
-            header, data = _safetensors_header(full)
-            for name, entry in header.items():
-                self._where[name] = (full, entry, data)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        full, entry, data = self._where[name]
-        dtype = _ST_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"{full}: tensor {name!r} has dtype {entry['dtype']}, which this reader does not know")
-        begin, end = entry["data_offsets"]
-        t = torch.empty(entry["shape"], dtype=dtype)
-        if end > begin:
-            with open(full, "rb") as f:
-                f.seek(data + begin)
-                buf = t.view(-1).view(torch.uint8).numpy()
-                if f.readinto(memoryview(buf)) != end - begin:
-                    raise ValueError(f"{full}: tensor {name!r} is cut short (the file is truncated)")
-        return t
-
-    def shape(self, name: str) -> list[int]:
-        return list(self._where[name][1]["shape"])
-
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of tensor `name` along its first dimension: one contiguous read of those
-        bytes alone (a sharded learner rank reads the part it holds, not the whole tensor)."""
-        full, entry, data = self._where[name]
-        dtype = _ST_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"{full}: tensor {name!r} has dtype {entry['dtype']}, which this reader does not know")
-        shape = list(entry["shape"])
-        if not shape:
-            return self[name]
-        row = dtype.itemsize
-        for d in shape[1:]:
-            row *= d
-        begin = entry["data_offsets"][0] + start * row
-        t = torch.empty([stop - start, *shape[1:]], dtype=dtype)
-        n = (stop - start) * row
-        if n > 0:
-            with open(full, "rb") as f:
-                f.seek(data + begin)
-                if f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != n:
-                    raise ValueError(f"{full}: tensor {name!r} is cut short (the file is truncated)")
-        return t
-
-    def keys(self) -> list[str]:
-        return list(self._where)
 
 
 def write_safetensors_shards(weights: WeightSource | Sequence[tuple[str, torch.Tensor]], out_dir: str, *,
@@ -227,11 +135,6 @@ def write_hf_checkpoint(weights: WeightSource | Sequence[tuple[str, torch.Tensor
     return write_dir_atomically(out_dir, write)
 
 
-DELTA_FORMAT = "areal_like.delta/1"
-DELTA_MANIFEST = "delta.json"
-DELTA_PREFIX = "delta"  # delta.safetensors: one uint8 tensor per packed bucket
-
-
 def write_delta_dir(out_dir: str, packed: delta_sync.Packed, base_version: int, version: int) -> int:
     """A delta update as a directory (atomically, `write_dir_atomically`): `delta.safetensors` holding each
     packed bucket (weights/delta.py's layout) as a uint8 tensor `bucket.<k>`, and the manifest `delta.json`
@@ -251,32 +154,23 @@ def write_delta_dir(out_dir: str, packed: delta_sync.Packed, base_version: int, 
     return write_dir_atomically(out_dir, write)
 
 
-def read_delta_dir(path: str) -> tuple[dict, list[deltas_.TensorDelta]]:
-    """(the manifest, every tensor's delta with its positions decoded) of a `write_delta_dir` directory;
-    ValueError naming the file when it is not one."""
-    where = os.path.join(path, DELTA_MANIFEST)
-    try:
-        with open(where) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: not a delta update's manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != DELTA_FORMAT:
-        raise ValueError(f"{where}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                         f"want {DELTA_FORMAT!r}")
-    files = SafetensorsDir(path, prefix=DELTA_PREFIX)
-    out: list[deltas_.TensorDelta] = []
-    for b in manifest.get("buckets") or []:
-        out += [d.prepare() for d in deltas_.unpack(files[str(b["tensor"])], [list(e) for e in b["deltas"]])]
-    return manifest, out
-
-
 class DiskWeightPusher(ServerAdmin):
     """Push weights as an HF checkpoint dir the servers load with /update_weights_from_disk."""
 
     def __init__(self, servers: list[str], *, out_dir: str, model_path: str | None = None, timeout_s: float = 300.0,
                  admin_api_key: str | None = None, api_key: str | None = None, keep: int = 2, dtype: str | torch.dtype | None = None,
-                 shard_bytes: int = 512 << 20, sync: str = "full", check_every: int = 0):
+                 shard_bytes: int = 512 << 20, sync: str = "full", check_every: int = 0, delta_route: str = "disk",
+                 tp_per_server: Sequence[int] | None = None):
         super().__init__(servers, timeout_s=timeout_s, admin_api_key=admin_api_key, api_key=api_key)
+        # How a delta dir reaches the servers: `disk` (our embedded servers: /update_weights_from_disk with
+        # load_format "delta", staged while they generate) or `tensor` (SGLang: the dir's path to the delta loader
+        # through /update_weights_from_tensor, weights/sglang_delta.py; one payload per TP rank, `tp_per_server`)
+        if delta_route not in ("disk", "tensor"):
+            raise ValueError(f"delta_route={delta_route!r}: use 'disk' (embedded servers) or 'tensor' (SGLang)")
+        self.delta_route = delta_route
+        self.tp_per_server = list(tp_per_server) if tp_per_server is not None else [1] * len(self.server_urls)
+        if len(self.tp_per_server) != len(self.server_urls):
+            raise ValueError(f"tp_per_server={self.tp_per_server}: one TP size per server ({len(self.server_urls)})")
         # `weights.sync=delta`: what the servers hold, as last written (host memory), and its version; a push
         # whose servers all hold it writes only the changed elements (`write_delta_dir`)
         self.sent = delta_sync.sent_copy(sync)
@@ -375,14 +269,28 @@ class DiskWeightPusher(ServerAdmin):
 
         nbytes, buckets, changed, numel = await asyncio.to_thread(diff_and_write)
         t_written = time.perf_counter()
-        body = {"model_path": path, "load_format": "delta", "abort_all_requests": False, "flush_cache": False,
-                "weight_version": None}
-        await self._all("/update_weights_from_disk", body)  # staged while the servers generate
-        async with self.paused_unless(paused) as t_paused:
-            await self._begin_or_end("/begin_weight_update")
-            await self._all("/update_weights_from_disk", {**body, "flush_cache": not paused,
-                                                          "weight_version": str(version)})
-            await self._begin_or_end("/end_weight_update")
+        if self.delta_route == "tensor":
+            # SGLang: its disk route loads whole checkpoints, so the dir's path goes to the delta loader through
+            # /update_weights_from_tensor; each server reads the files inside the pause (weights/sglang_delta.py)
+            from areal_like.weights import sglang_delta
+
+            payload = sglang_delta.serialize(sglang_delta.path_named_tensors(path))
+            async with self.paused_unless(paused) as t_paused:
+                await self._begin_or_end("/begin_weight_update")
+                await asyncio.gather(*(self._post(u, "/update_weights_from_tensor", {
+                    "serialized_named_tensors": [payload] * tp, "load_format": sglang_delta.LOADER,
+                    "flush_cache": not paused, "abort_all_requests": False, "weight_version": str(version)})
+                    for u, tp in zip(self.server_urls, self.tp_per_server)))
+                await self._begin_or_end("/end_weight_update")
+        else:
+            body = {"model_path": path, "load_format": "delta", "abort_all_requests": False, "flush_cache": False,
+                    "weight_version": None}
+            await self._all("/update_weights_from_disk", body)  # staged while the servers generate
+            async with self.paused_unless(paused) as t_paused:
+                await self._begin_or_end("/begin_weight_update")
+                await self._all("/update_weights_from_disk", {**body, "flush_cache": not paused,
+                                                              "weight_version": str(version)})
+                await self._begin_or_end("/end_weight_update")
         t_end = time.perf_counter()
         sent.version = version  # every server applied it (the copy followed during the diff)
         await asyncio.to_thread(self._prune, path)

@@ -52,7 +52,10 @@ def make_weight_pusher(cfg, endpoints, *, model_path: str, run_dir: str, weight_
                                 timeout_s=cfg.weights.timeout_s, admin_api_key=cfg.server.admin_api_key,
                                 api_key=cfg.server.api_key,
                                 dtype=dtype, shard_bytes=int(cfg.weights.bucket_mb * 2**20),
-                                sync=cfg.weights.sync, check_every=cfg.weights.check_every)
+                                sync=cfg.weights.sync, check_every=cfg.weights.check_every,
+                                # SGLang: each delta dir's path to its delta loader (weights/sglang_delta.py)
+                                delta_route="tensor" if endpoints.weight_backend == "nccl" else "disk",
+                                tp_per_server=devices)
     lora = cfg.model.lora_rank > 0
     if mode == "memory" and lora and endpoints.weight_backend != "nccl":
         # co-located LoRA, embedded servers: the adapter (MBs) as a peft dir under the run dir

@@ -13,6 +13,11 @@ calls a `load_format` listed there as `loader(model, named_tensors)` on every TP
                                                                            → load_delta(model, named_tensors)
                                                        ◄─ flush, continue    /end_weight_update
 
+With `weights.mode=disk` the learner writes the delta as a directory (weights/disk.py `write_delta_dir`, the
+same buckets in `delta.safetensors` plus `delta.json`) and the payload is one header naming it, with an empty
+tensor: each server reads the files from the filesystem it shares with the learner, inside the pause
+(SGLang's own disk route loads whole checkpoints only).
+
 The payload is a plain pickle of ``[(header, bucket), …]``: each bucket a uint8 CPU tensor in the wire
 layout of weights/delta.py (the broadcast's and the disk file's), each header the JSON of
 ``{"areal_like_delta": 1, "base_version": …, "deltas": [[name, dtype, shape, encoding, count], …]}``.
@@ -34,7 +39,7 @@ elements are overwritten (`index_copy_`, no arithmetic): a delta leaves a server
 full push of the same version, or — a payload that does not decode, a tensor SGLang's loader cannot
 place — changes nothing and fails the request.
 
-This module imports torch and weights/delta.py only: SGLang's process imports it from the package root
+This module imports torch and weights/delta.py (and its torch-only safetensors reader) only: SGLang's process imports it from the package root
 the launcher puts on its PYTHONPATH, and needs none of the learner's dependencies.
 """
 
@@ -65,6 +70,12 @@ def named_tensors(packed: Sequence[tuple[list[list], torch.Tensor]], base_versio
             for described, buf in packed]
 
 
+def path_named_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    """A delta written as a directory (`weights.mode=disk`: weights/disk.py `write_delta_dir`) as SGLang's
+    `named_tensors`: one header naming the directory, with an empty tensor; the loader reads the files."""
+    return [(json.dumps({HEADER: FORMAT, "path": path}), torch.zeros(0, dtype=torch.uint8))]
+
+
 def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
     """One `serialized_named_tensors` entry: base64 of a plain pickle, each tensor by value (a view into a
     larger buffer would carry its whole storage, so it is copied out first)."""
@@ -86,6 +97,11 @@ def decode(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str | None, list[
                              f"{LOADER} writes): {str(header)[:80]!r}") from None
         if not isinstance(meta, dict) or meta.get(HEADER) != FORMAT:
             raise ValueError(f"entry {i}: not a format-{FORMAT} delta header ({str(header)[:80]!r})")
+        if "path" in meta:  # a delta directory on a filesystem this server reads (weights.mode=disk)
+            manifest, got = deltas_.read_delta_dir(str(meta["path"]))
+            bases.add(manifest.get("base_version"))
+            out += got
+            continue
         bases.add(meta.get("base_version"))
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise ValueError(f"entry {i}: the bucket is {buf.dtype} {tuple(buf.shape)}, not flat uint8")

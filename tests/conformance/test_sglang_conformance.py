@@ -743,14 +743,16 @@ def test_a_delta_reaches_sglangs_model_through_its_own_tensor_route_bit_exact(tm
     SGLang's SafeUnpickler and applied by the project's loader through SGLang's own weight loaders into SGLang's
     own Qwen2 model (stacked qkv_proj / gate_up_proj, bf16). After two deltas every parameter of SGLang's model
     equals, byte for byte, what a full push of the same weights loads; a delta that does not decode is refused
-    and changes nothing."""
+    and changes nothing. With `weights.mode=disk` the delta is a directory whose path reaches the same loader;
+    it lands bit-exact too."""
     from areal_like.weights.sglang_delta import LOADER
 
     h = harness(delta_loader=True, extra_args=["--dtype", "bfloat16"])
     assert h.server.processes[0].argv[h.server.processes[0].argv.index("--custom-weight-loader") + 1] == LOADER
     w1 = _qwen2_weights(model_dir, 0)
-    w2, w3 = _step(w1, 1, 0.02), None
+    w2 = _step(w1, 1, 0.02)
     w3 = _step(w2, 2, 0.05)
+    w4 = _step(w3, 3, 0.03)
 
     async def go():
         p = WeightPusher([h.url], master_port=free_port(), backend="gloo", timeout_s=60, admin_api_key=ADMIN,
@@ -774,21 +776,39 @@ def test_a_delta_reaches_sglangs_model_through_its_own_tensor_route_bit_exact(tm
             assert h.record()["params"] == after_delta
             p.sent.invalidate()  # the same weights again, as a full push
             r4 = await p.update(w3, version=4)
-            return r1, r2, r3, r4, after_delta
+            after_full = h.record()["params"]
+            # weights.mode=disk: a delta dir on the shared filesystem, its path to the same loader. The disk
+            # pusher's copy of what the server holds (version 4, w3 in bf16) is given to it as its own full push
+            # would have recorded it (the harness stands in for SGLang's disk load of a whole checkpoint).
+            dp = DiskWeightPusher([h.url], out_dir=str(tmp_path / "disk"), timeout_s=60, admin_api_key=ADMIN,
+                                  api_key=API, dtype="bfloat16", sync="delta", delta_route="tensor", tp_per_server=[1])
+            await dp.init()
+            try:
+                for n, t in w3:
+                    dp.sent.record(n, t.to(torch.bfloat16))
+                dp.sent.version = 4
+                r5 = await dp.update(w4, version=5)
+            finally:
+                await dp.close()
+            after_disk = h.record()["params"]
+            r6 = await p.update(w4, version=6)  # the server holds 5, not p's 4: a full push of the same weights
+            return r1, r2, r3, r4, after_delta, after_full, r5, after_disk, r6
         finally:
             await p.close()
 
-    r1, r2, r3, r4, after_delta = asyncio.run(go())
+    r1, r2, r3, r4, after_delta, after_full, r5, after_disk, r6 = asyncio.run(go())
+    assert r5.delta and not r6.delta and os.path.isfile(os.path.join(r5.path, "delta.json"))
+    assert after_disk == h.record()["params"] != after_delta
     assert (r1.delta, r2.delta, r3.delta, r4.delta) == (False, True, True, False)
     assert r2.bytes < 0.25 * r1.bytes and r3.bytes < 0.35 * r1.bytes, (r1.bytes, r2.bytes, r3.bytes)
     rec = h.record()
-    full = rec["params"]
+    full = after_full
     assert set(full) >= {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"}
     assert after_delta == full, [n for n in full if after_delta[n] != full[n]]
     tensor_updates = [e for e in rec["events"] if e["kind"] == "update_tensor"]
     assert [(e["load_format"], e["success"], e["weight_version"]) for e in tensor_updates] == [
-        (LOADER, True, "2"), (LOADER, True, "3"), (LOADER, False, "99")]
-    assert "not a delta bucket" in tensor_updates[-1]["error"]
+        (LOADER, True, "2"), (LOADER, True, "3"), (LOADER, False, "99"), (LOADER, True, "5")]
+    assert "not a delta bucket" in tensor_updates[2]["error"]
     # each delta push: pause, begin, the update, end, one flush, continue
     i = next(k for k, e in enumerate(rec["events"]) if e["kind"] == "update_tensor")
     start = max(k for k, e in enumerate(rec["events"][:i]) if e["kind"] == "pause")

@@ -126,7 +126,6 @@ def test_checksums_are_sglangs():
 @pytest.mark.parametrize("allocation,overrides,error", [
     ("embedded:d1|fsdp:d1", {}, "this run pushes with weights.mode=memory"),
     ("embedded.d1p1t1+d1p1t1", {"model.lora_rank": 8}, "pushes the adapter alone"),
-    ("sglang.d1p1t1+d1p1t1", {"weights.mode": "disk"}, "weights.mode=disk reaches embedded servers only"),
 ])
 def test_delta_sync_refuses_what_it_does_not_reach_naming_the_key(allocation, overrides, error):
     from areal_like.api.config import ConfigError, load_config
@@ -138,8 +137,8 @@ def test_delta_sync_refuses_what_it_does_not_reach_naming_the_key(allocation, ov
         load_config(None, ["weights.check_every=-1"]).validate()
     for mode in ("distributed", "disk"):  # both transports carry deltas
         load_config(None, ["weights.sync=delta", "weights.check_every=5", f"weights.mode={mode}"]).validate()
-    # SGLang: by value through /update_weights_from_tensor (weights/sglang_delta.py)
-    load_config(None, ["allocation=sglang.d1p1t1+d1p1t1", "weights.sync=delta", "weights.mode=distributed"]).validate()
+    for mode in ("distributed", "disk"):  # SGLang: both, through /update_weights_from_tensor (weights/sglang_delta.py)
+        load_config(None, ["allocation=sglang.d1p1t1+d1p1t1", "weights.sync=delta", f"weights.mode={mode}"]).validate()
 
 
 def test_the_memory_plan_counts_the_sent_copy_in_host_memory():
