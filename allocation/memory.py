@@ -460,8 +460,10 @@ class MemoryPlan:
 
 
 def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capacity: int,
-                *, suggest: bool = True) -> MemoryPlan:
-    """Every device of `placement` (allocation.placement.Placement) with its parts."""
+                *, suggest: bool = True, judge_shape: ModelShape | str | None = None) -> MemoryPlan:
+    """Every device of `placement` (allocation.placement.Placement) with its parts. A judge pool's servers
+    (role `judge`) serve `judge_shape` (`judge.model_path`'s shape) at the servers' dtype; a str instead
+    says why its shape is unknown, and their devices are listed with that reason and nothing counted."""
     devs: dict[tuple[int, int], DeviceMemory] = {}
 
     def dev(node: int, device: int) -> DeviceMemory:
@@ -475,6 +477,19 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
             for node, device in zip(srv.nodes, srv.devices):
                 d = dev(node, device)
                 d.roles.append(f"server {srv.index}")
+                for k, v in parts.items():
+                    d.add(k, v)
+                d.kv_cache_tokens = kv_tokens
+    for g in placement.generation:
+        if g.spec.role != "judge":
+            continue
+        for srv in g.servers:
+            known = isinstance(judge_shape, ModelShape)
+            parts, kv_tokens = (server_parts(judge_shape, settings, tp=g.spec.tp, pp=g.spec.pp, backend=g.spec.backend,
+                                             capacity=capacity) if known else ({}, None))
+            for node, device in zip(srv.nodes, srv.devices):
+                d = dev(node, device)
+                d.roles.append(f"judge server {srv.index}" + ("" if known else f" (not counted: {judge_shape or 'no judge.model_path'})"))
                 for k, v in parts.items():
                     d.add(k, v)
                 d.kv_cache_tokens = kv_tokens

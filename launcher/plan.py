@@ -115,7 +115,9 @@ def cmd_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     if model is not None:
         try:
             memory = memory_plan(plan, model, config=getattr(args, "config", None),
-                                 overrides=list(getattr(args, "overrides", None) or []),
+                                 # the config is read for this allocation (its checks: e.g. judge.model_path
+                                 # needs a judge component)
+                                 overrides=[*(getattr(args, "overrides", None) or []), f"allocation={args.allocation}"],
                                  seq_len=getattr(args, "seq_len", None),
                                  micro_batch_tokens=getattr(args, "micro_batch_tokens", None),
                                  device_memory=getattr(args, "device_memory", None) or "80GB")
@@ -147,4 +149,21 @@ def memory_plan(plan: Placement, model: str, *, config: str | None, overrides: l
         apply_gpu_defaults(cfg, explicit_keys(config, overrides))
     settings = TrainSettings.from_config(cfg, sglang=gen is not None and gen.backend == "sglang", seq_len=seq_len,
                                          micro_batch_tokens=micro_batch_tokens)
-    return plan_memory(plan, ModelShape.load(model), settings, parse_bytes(device_memory), suggest=suggest)
+    return plan_memory(plan, ModelShape.load(model), settings, parse_bytes(device_memory), suggest=suggest,
+                       judge_shape=judge_shape(cfg.judge.model_path) if any(
+                           g.spec.role == "judge" for g in plan.generation) else None)
+
+
+def judge_shape(model_path: str | None):
+    """`judge.model_path`'s shape for the memory plan (`allocation.memory.ModelShape`), or why it is unknown."""
+    from allocation.memory import ModelShape
+
+    if not model_path:
+        return "judge.model_path is not set"
+    try:
+        return ModelShape.load(model_path)
+    except ValueError:
+        return f"judge.model_path {model_path!r} is not an HF model dir or config.json"
+    except KeyError as e:  # a config without a field the planner reads
+        return f"judge.model_path {model_path!r}: its config.json has no {e}"
+

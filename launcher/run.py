@@ -333,7 +333,10 @@ def _check_memory(cfg, alloc) -> None:
     except ValueError:
         return  # not a decoder config the planner knows: nothing to say
     settings = TrainSettings.from_config(cfg, sglang=gen.backend == "sglang")
-    plan = plan_memory(place(alloc), shape, settings, capacity)
+    from launcher.plan import judge_shape
+
+    plan = plan_memory(place(alloc), shape, settings, capacity,
+                       judge_shape=judge_shape(cfg.judge.model_path) if judge_component(alloc) is not None else None)
     if not plan.fits:
         raise RunError(refusal_message(plan))
 

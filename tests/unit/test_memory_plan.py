@@ -115,6 +115,22 @@ def test_json_parts_per_device(tmp_path: Path) -> None:
     assert mem["fits"] is True and mem["fixes"] == []
 
 
+def test_a_judge_pools_servers_count_the_judge_models_weights(tmp_path: Path) -> None:
+    """Issue 43: `embedded[judge]:…` servers hold judge.model_path (its own shape) on their own devices; a
+    judge.model_path that is no HF model dir is listed with the reason its weights are not counted."""
+    policy = _model(tmp_path, QWEN25_05B, "policy.json")
+    judge = _model(tmp_path, QWEN3_8B, "judge.json")
+    alloc = "embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d2"
+    mem = _memory(tmp_path, "--allocation", alloc, "--model", policy, f"judge.model_path={judge}")
+    judges = [d for d in mem["devices"] if any(r.startswith("judge server") for r in d["roles"])]
+    assert [(d["device"], d["roles"]) for d in judges] == [(2, ["judge server 0"]), (3, ["judge server 1"])]
+    policy_server = next(d for d in mem["devices"] if d["roles"] == ["server 0"])
+    assert all(d["weights_bytes"] > 10 * policy_server["weights_bytes"] for d in judges)  # 8B judge, 0.5B policy
+    proc = _run("--allocation", alloc, "--model", policy, "judge.model_path=demo:next-digit-judge", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "judge server 1 (not counted: judge.model_path 'demo:next-digit-judge' is not an HF model dir" in proc.stdout
+
+
 def test_table_marks_over_full_devices_and_names_a_fix(tmp_path: Path) -> None:
     model = _model(tmp_path, QWEN25_05B)
     proc = _run("--allocation", "sglang.d1p1t1+d1p1t1", "--model", model, "--device-memory", "16GB",
