@@ -460,10 +460,11 @@ class MemoryPlan:
 
 
 def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capacity: int,
-                *, suggest: bool = True, judge_shape: ModelShape | str | None = None) -> MemoryPlan:
-    """Every device of `placement` (allocation.placement.Placement) with its parts. A judge pool's servers
-    (role `judge`) serve `judge_shape` (`judge.model_path`'s shape) at the servers' dtype; a str instead
-    says why its shape is unknown, and their devices are listed with that reason and nothing counted."""
+                *, suggest: bool = True, aux_shapes: dict[str, ModelShape | str] | None = None) -> MemoryPlan:
+    """Every device of `placement` (allocation.placement.Placement) with its parts. A judge or teacher pool's
+    servers (role `judge` / `teacher`) serve `aux_shapes[role]` (`judge.model_path`'s / `teacher.model_path`'s
+    shape) at the servers' dtype; a str instead says why its shape is unknown, and their devices are listed
+    with that reason and nothing counted."""
     devs: dict[tuple[int, int], DeviceMemory] = {}
 
     def dev(node: int, device: int) -> DeviceMemory:
@@ -481,15 +482,17 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
                     d.add(k, v)
                 d.kv_cache_tokens = kv_tokens
     for g in placement.generation:
-        if g.spec.role != "judge":
+        role = g.spec.role
+        if role not in ("judge", "teacher"):
             continue
+        aux = (aux_shapes or {}).get(role)
         for srv in g.servers:
-            known = isinstance(judge_shape, ModelShape)
-            parts, kv_tokens = (server_parts(judge_shape, settings, tp=g.spec.tp, pp=g.spec.pp, backend=g.spec.backend,
+            known = isinstance(aux, ModelShape)
+            parts, kv_tokens = (server_parts(aux, settings, tp=g.spec.tp, pp=g.spec.pp, backend=g.spec.backend,
                                              capacity=capacity) if known else ({}, None))
             for node, device in zip(srv.nodes, srv.devices):
                 d = dev(node, device)
-                d.roles.append(f"judge server {srv.index}" + ("" if known else f" (not counted: {judge_shape or 'no judge.model_path'})"))
+                d.roles.append(f"{role} server {srv.index}" + ("" if known else f" (not counted: {aux or f'no {role}.model_path'})"))
                 for k, v in parts.items():
                     d.add(k, v)
                 d.kv_cache_tokens = kv_tokens

@@ -150,20 +150,25 @@ def memory_plan(plan: Placement, model: str, *, config: str | None, overrides: l
     settings = TrainSettings.from_config(cfg, sglang=gen is not None and gen.backend == "sglang", seq_len=seq_len,
                                          micro_batch_tokens=micro_batch_tokens)
     return plan_memory(plan, ModelShape.load(model), settings, parse_bytes(device_memory), suggest=suggest,
-                       judge_shape=judge_shape(cfg.judge.model_path) if any(
-                           g.spec.role == "judge" for g in plan.generation) else None)
+                       aux_shapes=aux_shapes(cfg, plan))
 
 
-def judge_shape(model_path: str | None):
-    """`judge.model_path`'s shape for the memory plan (`allocation.memory.ModelShape`), or why it is unknown."""
+def aux_shapes(cfg, plan) -> dict:
+    """For the memory plan: each judge or teacher pool's model shape (`allocation.memory.ModelShape`, from
+    `judge.model_path` / `teacher.model_path`), or why it is unknown."""
     from allocation.memory import ModelShape
 
-    if not model_path:
-        return "judge.model_path is not set"
-    try:
-        return ModelShape.load(model_path)
-    except ValueError:
-        return f"judge.model_path {model_path!r} is not an HF model dir or config.json"
-    except KeyError as e:  # a config without a field the planner reads
-        return f"judge.model_path {model_path!r}: its config.json has no {e}"
+    out: dict = {}
+    for role in {g.spec.role for g in plan.generation} & {"judge", "teacher"}:
+        path = getattr(cfg, role).model_path
+        if not path:
+            out[role] = f"{role}.model_path is not set"
+            continue
+        try:
+            out[role] = ModelShape.load(path)
+        except ValueError:
+            out[role] = f"{role}.model_path {path!r} is not an HF model dir or config.json"
+        except KeyError as e:  # a config without a field the planner reads
+            out[role] = f"{role}.model_path {path!r}: its config.json has no {e}"
+    return out
 

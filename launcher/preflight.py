@@ -65,9 +65,10 @@ def resolve_and_check(cfg: ExperimentConfig, log=lambda msg: None) -> None:
         if sec.path is not None:
             sec.path = _resolve(sec.path, key, log)
             check_model_dir(sec.path, key)
-    if cfg.judge.model_path is not None:
-        cfg.judge.model_path = _resolve(cfg.judge.model_path, "judge.model_path", log)
-        check_model_dir(cfg.judge.model_path, "judge.model_path")
+    for key, sec in (("judge.model_path", cfg.judge), ("teacher.model_path", cfg.teacher)):
+        if sec.model_path is not None:
+            sec.model_path = _resolve(sec.model_path, key, log)
+            check_model_dir(sec.model_path, key)
     if not cfg.data.train_files:
         raise PreflightError("data.train_files is empty: set data.train_files=[path/to/train.parquet] "
                              "(or [demo:next-digit] for the demo task)")

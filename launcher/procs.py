@@ -234,17 +234,18 @@ def learner_role(rank: int) -> str:
 
 
 def role_devices(plan, name: str) -> tuple[int, ...]:
-    """The plan's devices of a role: `server<i>` → its server's, `judge<i>` → the judge component's server
-    i's, `learner`/`learner<r>` → rank r's."""
+    """The plan's devices of a role: `server<i>` → its server's, `judge<i>` / `teacher<i>` → that component's
+    server i's, `learner`/`learner<r>` → rank r's."""
     if plan is None:
         return ()
     if name.startswith("server"):
         i = int(name.removeprefix("server"))
         return tuple(plan.servers[i].devices) if i < len(plan.servers) else ()
-    if name.startswith("judge"):
-        i = int(name.removeprefix("judge"))
-        judge = next((g for g in plan.generation if g.spec.role == "judge"), None)
-        return tuple(judge.servers[i].devices) if judge is not None and i < len(judge.servers) else ()
+    for aux in ("judge", "teacher"):  # `judge<i>` / `teacher<i>`: that component's server i
+        if name.startswith(aux):
+            i = int(name.removeprefix(aux))
+            comp = next((g for g in plan.generation if g.spec.role == aux), None)
+            return tuple(comp.servers[i].devices) if comp is not None and i < len(comp.servers) else ()
     if name.startswith("learner"):
         r = int(name.removeprefix("learner") or 0)
         ranks = plan.ranks
@@ -261,8 +262,8 @@ _PIN = "import os,sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].spli
 
 def role_kind(name: str) -> str | None:
     """"server0" → "server", "learner"/"learner3" → "learner", "rollout1" → "rollout", "judge0" → "judge",
-    "redis" → "redis"."""
-    for kind in ("server", "learner", "rollout", "judge", "redis"):
+    "teacher0" → "teacher", "redis" → "redis"."""
+    for kind in ("server", "learner", "rollout", "judge", "teacher", "redis"):
         if name.startswith(kind) and name[len(kind):].isdigit() or name == kind:
             return kind
     return None

@@ -282,7 +282,8 @@ class RayProcessTable(ProcessTable):
 
     # ---- placement ------------------------------------------------------------------------------
     def _layout(self, n_rollouts: int) -> None:
-        """Bundles per plan node: servers, judge servers, learner ranks, rollout workers (on their server's node)."""
+        """Bundles per plan node: servers, judge and teacher servers, learner ranks, rollout workers (on their
+        server's node)."""
 
         per_node: dict[int, list[Slot]] = {}
 
@@ -297,10 +298,10 @@ class RayProcessTable(ProcessTable):
                 raise RayBackendError(f"generation server {sp.index} spans nodes {sorted(set(sp.nodes))}: under --backend ray "
                                       "a server's t×p devices are one bundle on one node; use t×p ≤ devices per node")
             add(f"server{sp.index}", sp.nodes[0], tuple(sp.devices))
-        for g in self.plan.generation:  # a judge component's servers (launcher run starts judge<i>)
-            if g.spec.role == "judge":
+        for g in self.plan.generation:  # judge and teacher components' servers (launcher run: judge<i>, teacher<i>)
+            if g.spec.role in ("judge", "teacher"):
                 for sp in g.servers:
-                    add(f"judge{sp.index}", sp.nodes[0], tuple(sp.devices))
+                    add(f"{g.spec.role}{sp.index}", sp.nodes[0], tuple(sp.devices))
         for r in self.plan.ranks:
             add(learner_role(r.rank), r.node, (r.device,))
         servers = self.plan.servers

@@ -110,19 +110,20 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
             f"allocation {cfg.allocation!r} is {alloc.kind}: `launcher run` needs a generation part and a "
             "training part, e.g. --allocation embedded.d1p1t1+d1p1t1"
         )
-    judge = judge_component(alloc)
-    extra = [c for c in alloc.components if c is not gen and c is not train and c is not judge]
+    aux = [c for c in (aux_component(alloc, r) for r in AUX_ROLES) if c is not None]
+    extra = [c for c in alloc.components if c is not gen and c is not train and c not in aux]
     if extra:
         names = ", ".join(f"{c.backend}[{c.name}] (role {c.role})" for c in extra)
         raise RunError(
             f"allocation {cfg.allocation!r} names components `launcher run` does not start yet: {names}. A run "
             f"starts one rollout pool ({gen.backend}[{gen.name}]), one actor pool ({train.backend}[{train.name}]) "
-            "and at most one judge pool (embedded[judge]:dN); the critic trains inside the actor's ranks "
+            "and at most one judge pool (embedded[judge]:dN) and one teacher pool (embedded[teacher]:dN); the critic "
+            "trains inside the actor's ranks "
             "(algorithm.adv_estimator=gae) and the reference model inside the actor's process: remove the other "
             "components from --allocation"
         )
-    if judge is not None:
-        _check_judge(cfg, alloc, judge)
+    for c in aux:
+        _check_aux(cfg, alloc, c)
     from allocation import AllocationError
 
     try:
@@ -144,23 +145,29 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
     return gen.backend, gen.dp, world
 
 
-def judge_component(alloc):
-    """The allocation's judge component (the one named `judge`: names are unique), or None."""
-    return next((c for c in alloc.components if c.role == "judge"), None)
+AUX_ROLES = ("judge", "teacher")
+"""Components whose servers serve a fixed model of their own (`judge.model_path`, `teacher.model_path`): started
+like the embedded generation servers, never in a weight group, restarted on their port (`judge<i>`,
+`teacher<i>`)."""
 
 
-def _check_judge(cfg, alloc, judge) -> None:
-    """A judge pool runs the embedded engine (one device per server), on devices of its own."""
-    if judge.backend != "embedded":
-        raise RunError(f"{judge.backend}[{judge.name}]: `launcher run` starts judge servers of the embedded engine "
-                       f"(same HTTP protocol, CPU or GPU); SGLang judge servers are not started yet: use "
-                       f"embedded[{judge.name}]:d{judge.dp}")
-    if judge.tp * judge.pp != 1:
-        raise RunError(f"the embedded engine runs one device per server; the judge has t={judge.tp} p={judge.pp}: "
-                       f"use embedded[{judge.name}]:d{judge.dp}")
-    if any(judge in group and len(group) > 1 for group in alloc.groups):
-        raise RunError(f"judge component {judge.name!r} is co-located (`|`) with another component: a judge's "
-                       f"servers keep their devices for the run; write it as a pool of its own (`+`)")
+def aux_component(alloc, role: str):
+    """The allocation's component of `role` (judge or teacher: names are unique, so at most one), or None."""
+    return next((c for c in alloc.components if c.role == role), None)
+
+
+def _check_aux(cfg, alloc, comp) -> None:
+    """A judge or teacher pool runs the embedded engine (one device per server), on devices of its own."""
+    if comp.backend != "embedded":
+        raise RunError(f"{comp.backend}[{comp.name}]: `launcher run` starts {comp.role} servers of the embedded engine "
+                       f"(same HTTP protocol, CPU or GPU); SGLang {comp.role} servers are not started yet: use "
+                       f"embedded[{comp.name}]:d{comp.dp}")
+    if comp.tp * comp.pp != 1:
+        raise RunError(f"the embedded engine runs one device per server; the {comp.role} has t={comp.tp} p={comp.pp}: "
+                       f"use embedded[{comp.name}]:d{comp.dp}")
+    if any(comp in group and len(group) > 1 for group in alloc.groups):
+        raise RunError(f"{comp.role} component {comp.name!r} is co-located (`|`) with another component: a "
+                       f"{comp.role}'s servers keep their devices for the run; write it as a pool of its own (`+`)")
 
 
 def _wait_health(url: str, timeout_s: float, role, what: str) -> None:
@@ -333,10 +340,10 @@ def _check_memory(cfg, alloc) -> None:
     except ValueError:
         return  # not a decoder config the planner knows: nothing to say
     settings = TrainSettings.from_config(cfg, sglang=gen.backend == "sglang")
-    from launcher.plan import judge_shape
+    from launcher.plan import aux_shapes
 
-    plan = plan_memory(place(alloc), shape, settings, capacity,
-                       judge_shape=judge_shape(cfg.judge.model_path) if judge_component(alloc) is not None else None)
+    placement = place(alloc)
+    plan = plan_memory(placement, shape, settings, capacity, aux_shapes=aux_shapes(cfg, placement))
     if not plan.fits:
         raise RunError(refusal_message(plan))
 
@@ -419,9 +426,8 @@ class Run:
         rc = self.cfg.launcher.ray
         log = lambda msg: print(f"[launcher] {msg}", flush=True)  # noqa: E731
         try:
-            judge = judge_component(self.alloc)
             roles = (self.n_servers + self.alloc.training.world_size + self.cfg.rollout.workers
-                     + (judge.num_servers if judge is not None else 0))
+                     + sum(c.num_servers for c in (aux_component(self.alloc, r) for r in AUX_ROLES) if c is not None))
             connect(rc.address, devices_needed=self.alloc.total_devices, roles_needed=roles,
                               device_resource=rc.device_resource,
                               cpu_run=self.cfg.server.device == "cpu" and self.alloc.generation.backend == "embedded",
@@ -592,9 +598,11 @@ class Run:
         return [srv.url for srv in servers]
 
     def _start_embedded_server(self, name: str, model_path: str, *, seed: int, env, port: int | None,
-                               judge: bool = False):
-        """One embedded engine server (`server<i>` serving the policy, or `judge<i>` serving judge.model_path,
-        which the learner never updates: no LoRA, no weight group) → (url, role)."""
+                               aux: str | None = None):
+        """One embedded engine server (`server<i>` serving the policy, or — `aux` judge or teacher — `judge<i>` /
+        `teacher<i>` serving judge.model_path / teacher.model_path, which the learner never updates: no LoRA,
+        no weight group) → (url, role)."""
+        judge = aux is not None
         cfg, sv = self.cfg, self.cfg.server
         port = port or self.procs.free_port(name)
         host = self.procs.host(name) if self.procs.backend == "ray" else sv.host
@@ -604,7 +612,8 @@ class Run:
                 # on CUDA its CUDA_VISIBLE_DEVICES holds the plan's device for it: cuda:0 inside
                 "--device", "cuda:0" if cuda else sv.device,
                 "--dtype", sv.dtype, "--max-batch-size", str(sv.max_batch_size),
-                "--max-context-len", str(cfg.judge.max_context_len if judge else cfg.resolved_max_context_len()),
+                # a teacher scores the policy's own sequences: the policy's limit
+                "--max-context-len", str(cfg.judge.max_context_len if aux == "judge" else cfg.resolved_max_context_len()),
                 "--weight-version", "0", "--random-seed", str(seed), "--torch-threads", str(sv.torch_threads),
                 # its side of a weight group times out as the learner's does: a server left inside a
                 # gloo collective whose peer died is free for the re-sync after weights.timeout_s
@@ -633,22 +642,25 @@ class Run:
         role = self.procs.start(name, argv, server_env)
         return f"http://{url_host(reach_host(host))}:{port}", role
 
-    def _start_judges(self, env) -> list:
-        """The judge component's servers (`judge<i>`, judge.model_path): started before the generation
-        servers, so they load meanwhile; `_wait_judges` waits for them."""
-        judge = judge_component(self.alloc)
-        if judge is None:
-            return []
-        return [self._start_embedded_server(f"judge{i}", self.cfg.judge.model_path, seed=self.cfg.seed + i, env=env,
-                                            port=None, judge=True) for i in range(judge.num_servers)]
+    def _start_aux(self, env) -> dict[str, list]:
+        """The judge and teacher components' servers (`judge<i>` / `teacher<i>`, their model_path): started
+        before the generation servers, so they load meanwhile; `_wait_aux` waits for them."""
+        out: dict[str, list] = {}
+        for r in AUX_ROLES:
+            comp = aux_component(self.alloc, r)
+            if comp is not None:
+                path = getattr(self.cfg, r).model_path
+                out[r] = [self._start_embedded_server(f"{r}{i}", path, seed=self.cfg.seed + i, env=env, port=None,
+                                                      aux=r) for i in range(comp.num_servers)]
+        return out
 
-    def _wait_judges(self, judges: list) -> list[str]:
-        for i, (url, role) in enumerate(judges):
-            _wait_health(url, self.cfg.server.health_timeout_s, role, f"judge server {i}")
-        if judges:
-            print(f"[launcher] {len(judges)} judge server(s) healthy ({self.cfg.judge.model_path}): "
-                  f"{' '.join(u for u, _ in judges)}", flush=True)
-        return [u for u, _ in judges]
+    def _wait_aux(self, started: dict[str, list]) -> dict[str, list[str]]:
+        for r, servers in started.items():
+            for i, (url, role) in enumerate(servers):
+                _wait_health(url, self.cfg.server.health_timeout_s, role, f"{r} server {i}")
+            print(f"[launcher] {len(servers)} {r} server(s) healthy ({getattr(self.cfg, r).model_path}): "
+                  f"{' '.join(u for u, _ in servers)}", flush=True)
+        return {r: [u for u, _ in servers] for r, servers in started.items()}
 
     def _start_servers(self, env, while_loading: Callable[[], None]) -> list[str]:
         """Start the generation servers, call `while_loading` once their processes run (the learner pool
@@ -721,12 +733,12 @@ class Run:
                                                      self.run_dir, "--index", str(k), "--launch", self._launch,
                                                      *port_arg], {**env, **self._role_env(f"rollout{k}")})
 
-            judges = self._start_judges(self._server_env(env))
+            aux = self._start_aux(self._server_env(env))
             urls = self._server_urls = self._start_servers(self._server_env(env),  # no Redis secret
                                                            while_loading=while_loading)
-            judge_urls = self._wait_judges(judges)
+            aux_urls = self._wait_aux(aux)
             endpoints = Endpoints(
-                servers=urls, judge_servers=judge_urls,
+                servers=urls, judge_servers=aux_urls.get("judge", []), teacher_servers=aux_urls.get("teacher", []),
                 metrics_ports={"learner": learner_metrics, **{f"rollout{k}": p for k, p in enumerate(rollout_ports)}}
                 if prom else {},
                 # NCCL between GPU processes for SGLang; gloo for the embedded engine (CPU tensors)
@@ -736,7 +748,7 @@ class Run:
                 learner_gpus=self._colocated_gpus[1] if self._colocated_gpus else None,
                 learner_host=self.procs.host("learner"), launch=self._launch)
             endpoints.dump(self.run_dir)
-            self._write_prometheus_targets(urls, endpoints.metrics_ports, judge_urls)
+            self._write_prometheus_targets(urls, endpoints.metrics_ports, aux_urls)
             rc = self._supervise(t0)
         except RunError as e:
             print(f"launcher run: {e}", file=sys.stderr, flush=True)
@@ -845,7 +857,8 @@ class Run:
 
     def _budget(self, kind: str) -> int:
         b = self.cfg.launcher.max_restarts
-        return {"learner": b.learner, "server": b.server, "rollout": b.rollout, "judge": b.judge, "redis": b.redis}[kind]
+        return {"learner": b.learner, "server": b.server, "rollout": b.rollout, "judge": b.judge, "teacher": b.teacher,
+                "redis": b.redis}[kind]
 
     def _record_restart(self, kind: str, dead: Role | None, what: str, exit_code: int | None = None,
                         notify: bool = True) -> None:
@@ -911,12 +924,14 @@ class Run:
         self._record_restart("server", dead, f"restarting on {url}; paused until the learner re-syncs its weights",
                              notify=False)
 
-    def _restart_judge(self, dead: Role) -> None:
-        """Same port, devices and seed, serving judge.model_path again: nothing to re-sync (the learner never
-        updates a judge). Its gradings fail over to the other judge servers meanwhile, or wait for it
-        (engine/client.py); a grading past judge.timeout_s counts as a reward failure."""
+    def _restart_aux(self, dead: Role) -> None:
+        """A judge or teacher server: same port, devices and seed, serving its model_path again: nothing to
+        re-sync (the learner never updates it). Its requests fail over to the pool's other servers meanwhile,
+        or wait for it (engine/client.py); a grading past judge.timeout_s counts as a reward failure, a scoring
+        past teacher.timeout_s fails its group (the prompt is retried)."""
+        kind = role_kind(dead.name)
         self.procs.restart(dead)
-        self._record_restart("judge", dead, "restarted on its port with judge.model_path")
+        self._record_restart(kind, dead, f"restarted on its port with {kind}.model_path")
 
     def _restart_servers_left_in_a_push(self) -> None:
         """A learner that died inside an NCCL weight push (its rank 0 marks one in Redis from the pause to
@@ -1033,7 +1048,7 @@ class Run:
                                  f"(rollout.max_failure_fraction)")
         elif self._restart_count(kind, role.name) < self._budget(kind):
             {"learner": self._restart_learners, "server": self._restart_server, "rollout": self._restart_rollout,
-             "judge": self._restart_judge}[kind](role)
+             "judge": self._restart_aux, "teacher": self._restart_aux}[kind](role)
             return None
         else:
             budget = self._budget(kind)
@@ -1045,7 +1060,8 @@ class Run:
               file=sys.stderr, flush=True)
         return 1
 
-    def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int], judge_urls: list[str] = ()) -> None:
+    def _write_prometheus_targets(self, urls: list[str], ports: dict[str, int],
+                                  aux_urls: dict[str, list[str]] | None = None) -> None:
         """file_sd targets for dashboards/prometheus.yml: every role's /metrics (and the Redis exporter's)
         labelled experiment, run, role (server0, learner, rollout0, redis) and kind (server, learner,
         rollout, redis) — the dashboard's variables and every panel's selector use them.
@@ -1064,7 +1080,8 @@ class Run:
                                                      "role": role, "kind": role_kind(role)}}
 
         targets = [target(u.split("://", 1)[1], f"server{i}") for i, u in enumerate(urls)]
-        targets += [target(u.split("://", 1)[1], f"judge{i}") for i, u in enumerate(judge_urls)]
+        for r, aux in (aux_urls or {}).items():  # judge<i>, teacher<i>
+            targets += [target(u.split("://", 1)[1], f"{r}{i}") for i, u in enumerate(aux)]
         targets += [target(f"{self.procs.host(name)}:{p}", name) for name, p in ports.items()]
         if self.redis_exporter is not None:
             targets.append(target(self.redis_exporter.address, "redis"))
@@ -1226,14 +1243,14 @@ class Run:
         self.procs.close()  # Ray: this run's actors and placement groups (nothing else on the cluster)
 
 
-RESTART_KINDS = ("learner", "server", "rollout", "judge", "redis")
+RESTART_KINDS = ("learner", "server", "rollout", "judge", "teacher", "redis")
 
 
 def _budget_scope(kind: str, name: str) -> str:
     """What one `launcher.max_restarts.<kind>` budget counts: each generation server and each rollout
-    worker and each judge server has its own (`server3`, `rollout0`, `judge1`); the learner pool (all its
-    ranks restart together) and Redis have one for the run."""
-    return name if kind in ("server", "rollout", "judge") else kind
+    worker and each judge or teacher server has its own (`server3`, `rollout0`, `judge1`, `teacher0`); the learner
+    pool (all its ranks restart together) and Redis have one for the run."""
+    return name if kind in ("server", "rollout", "judge", "teacher") else kind
 FAILED_START_SUMMARY = "summary.failed_start.json"  # a failed start's summary when summary.json exists
 
 

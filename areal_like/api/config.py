@@ -641,6 +641,36 @@ class JudgeConfig(_Section):
     """Longest grading request (prompt + reply) a judge server admits, in tokens."""
 
 
+class TeacherConfig(_Section):
+    """On-policy distillation (OPD) from a frozen teacher on servers of its own: the allocation's teacher
+    component (`embedded[teacher]:d1`) serves `teacher.model_path`, never updated by the learner. After each
+    group is generated, the teacher scores every sample's own tokens (`/generate` with the whole sequence as
+    input, no new token, logprobs from the response's start: SGLang's `logprob_start_len`), and the
+    learner adds the per-token reverse KL to each loss token's advantage (slime's OPD):
+    A_t = `reward_weight` × A_t(reward) − `kl_coef` × (log π_behav(y_t) − log π_teacher(y_t)).
+    The staleness bound and the decoupled loss are unchanged. The teacher must share the policy's
+    tokenizer (token ids are sent as they are)."""
+
+    model_path: str | None = None
+    """The teacher's model directory (HF files). Required with a teacher component in the allocation,
+    refused without one."""
+    kl_coef: float = 1.0
+    """Weight of the per-token reverse KL, log π_behav − log π_teacher, subtracted from each loss token's
+    advantage (slime `--opd-kl-coef`)."""
+    reward_weight: float = 1.0
+    """Weight of the reward's advantage beside it; 0 = distillation alone (the reward is still computed:
+    it is reported, and validation scores with it)."""
+    baseline: Literal["none", "group"] = "none"
+    """`none`: the reverse KL as it is (slime's OPD). `group`: minus a baseline, the mean per-token reverse KL
+    of the group's other samples (leave-one-out, as RLOO: no bias) — the same expected gradient with less
+    variance, which matters while the student rarely samples what the teacher prefers (a fresh student)."""
+    timeout_s: float = 60.0
+    """One scoring request's time limit on a teacher server (it is then sent again, to another teacher
+    server when there is one, up to `max_retries` times; then the group fails and its prompt is retried)."""
+    max_retries: int = 2
+    """Times a timed-out scoring request is sent again before the group fails."""
+
+
 class EvalConfig(_Section):
     """Validation during training: the learner's current weights answer every validation prompt on the
     generation servers, between steps (the servers hold that version meanwhile: the staleness bound is
@@ -737,6 +767,10 @@ class RestartBudgets(_Section):
     """A judge server that dies is restarted on its port and devices (it holds the judge's fixed weights:
     nothing to re-sync; its grading requests go to the other judge servers meanwhile, or wait) up to this
     many times *per judge server*."""
+    teacher: int = 3
+    """A teacher server that dies is restarted on its port and devices (fixed weights: nothing to re-sync;
+    its scoring requests go to the other teacher servers meanwhile, or wait) up to this many times *per
+    teacher server*."""
     redis: int = 3
     """The launcher's own redis-server (not one given by `buffer.redis_url`) that dies is restarted on
     the same port and data directory — Redis reloads its AOF, every role reconnects — up to this many
@@ -956,6 +990,9 @@ class ExperimentConfig(_Section):
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
     """A judge model's servers and how its scores enter the reward (`judge.*`; the allocation's judge
     component starts them)."""
+    teacher: TeacherConfig = msgspec.field(default_factory=TeacherConfig)
+    """On-policy distillation: a teacher model's servers and the weight of its per-token reverse KL in the
+    advantage (`teacher.*`; the allocation's teacher component starts them)."""
 
     def resolved_server_dtype(self, *, sglang: bool) -> str:
         """`server.dtype` with `auto` resolved: bfloat16 where the servers run on GPUs (SGLang always;
@@ -1052,6 +1089,33 @@ class ExperimentConfig(_Section):
         if j.timeout_s <= 0 or j.max_retries < 0 or j.max_context_len < 1:
             raise ConfigError(f"judge.timeout_s={j.timeout_s}, judge.max_retries={j.max_retries}, judge.max_context_len="
                               f"{j.max_context_len}: use a positive timeout, ≥ 0 retries and a positive length")
+
+    def _check_teacher(self) -> None:
+        """`teacher.*` against the allocation, as `_check_judge`."""
+        from allocation import AllocationError, parse_allocation
+
+        t = self.teacher
+        try:
+            has_teacher = any(c.role == "teacher" for c in parse_allocation(self.allocation).components)
+        except AllocationError:
+            return
+        if has_teacher and not t.model_path:
+            raise ConfigError(f"allocation {self.allocation!r} has a teacher component but teacher.model_path is not "
+                              f"set: set teacher.model_path=<the teacher's model directory>")
+        if not has_teacher and t.model_path:
+            raise ConfigError(f"teacher.model_path={t.model_path!r} but the allocation {self.allocation!r} has no "
+                              f"teacher component to serve it: add one, e.g. --allocation "
+                              f"'embedded[rollout]:d1+fsdp[actor]:d1+embedded[teacher]:d1', or unset teacher.model_path")
+        for key in ("kl_coef", "reward_weight"):
+            v = getattr(t, key)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"teacher.{key}={v}: use a finite number ≥ 0")
+        if has_teacher and t.kl_coef == 0:
+            raise ConfigError("teacher.kl_coef=0 with a teacher component: the teacher's logprobs would be computed and "
+                              "never used; set teacher.kl_coef > 0 (e.g. 1.0) or remove the teacher component")
+        if t.timeout_s <= 0 or t.max_retries < 0:
+            raise ConfigError(f"teacher.timeout_s={t.timeout_s}, teacher.max_retries={t.max_retries}: use a positive "
+                              f"timeout and ≥ 0 retries")
 
     def _check_lora(self) -> None:
         m = self.model
@@ -1221,6 +1285,7 @@ class ExperimentConfig(_Section):
                               f"(set train.master_dtype=float32) or the compute dtype itself (train.master_dtype={cd})")
         self._check_learner_side()
         self._check_judge()
+        self._check_teacher()
         mf = self.server.mem_fraction_static
         if mf is not None and not 0.0 < mf < 1.0:
             raise ConfigError(f"server.mem_fraction_static={mf}: use a fraction in (0, 1), e.g. 0.8, or null for SGLang's default")

@@ -31,6 +31,8 @@ class Endpoints(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base URLs of the generation servers, in data-parallel order."""
     judge_servers: list[str] = msgspec.field(default_factory=list)
     """Base URLs of the judge servers (the allocation's judge component; judge.*), empty without one."""
+    teacher_servers: list[str] = msgspec.field(default_factory=list)
+    """Base URLs of the teacher servers (the allocation's teacher component; teacher.*), empty without one."""
     metrics_ports: dict[str, int] = msgspec.field(default_factory=dict)
     """role name → its /metrics port (on its node's address, `prometheus_targets.json`)."""
     weight_backend: str = "gloo"

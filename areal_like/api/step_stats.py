@@ -152,6 +152,11 @@ class TrainStats(msgspec.Struct, kw_only=True):
         "Mean KL(π_θ ‖ π_ref) over loss tokens (the configured estimator); None without a reference.",
         tracker="train/kl_ref", prom=Prom("areal_like_learner_kl_ref",
                                           "Mean KL(π_θ ‖ π_ref) to the reference model, last step"))] = None
+    teacher_kl: Annotated[float | None, published(
+        "On-policy distillation: mean per-token reverse KL to the teacher, log π_behav − log π_teacher, over the "
+        "step's loss tokens (what teacher.kl_coef weighs into the advantage); None without a teacher.",
+        tracker="train/teacher_kl", prom=Prom("areal_like_learner_teacher_kl",
+                                              "Mean per-token reverse KL to the teacher, last step"))] = None
     value_loss: Annotated[float | None, published(
         "Critic loss (GAE only; mean over the step's optimizer steps).", tracker="train/value_loss",
         prom=Prom("areal_like_learner_value_loss", "Critic value loss, last step (GAE only)"))] = None

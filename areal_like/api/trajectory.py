@@ -43,6 +43,8 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     max_version: int
     data_source: str = ""
     schema_version: int = SCHEMA_VERSION
+    teacher_logprobs: bytes = b""  # float32 LE, (num_tokens,) or empty: a teacher's logprob of each token
+    # after the prompt (on-policy distillation, teacher.*; prompt positions 0), set by the rollout worker
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -117,6 +119,10 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     def versions_np(self) -> np.ndarray:
         return np.frombuffer(self.versions, dtype=VERSIONS_DTYPE)
 
+    def teacher_logprobs_np(self) -> np.ndarray | None:
+        """The teacher's logprobs (float32, aligned with the tokens), or None when no teacher scored it."""
+        return np.frombuffer(self.teacher_logprobs, dtype=LOGPROBS_DTYPE) if self.teacher_logprobs else None
+
     def validate(self) -> None:
         """Raise ValueError if the record is not internally consistent (foreign or corrupt entry)."""
         if self.schema_version != SCHEMA_VERSION:
@@ -137,6 +143,9 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             }
             bad = {k: v for k, v in sizes.items() if v != n}
             raise ValueError(f"trajectory {self.traj_id}: arrays disagree on length {n}: {bad}")
+        if self.teacher_logprobs and len(self.teacher_logprobs) != n * _LOGPROBS_SIZE:
+            raise ValueError(f"trajectory {self.traj_id}: teacher_logprobs has {len(self.teacher_logprobs) / _LOGPROBS_SIZE} "
+                             f"entries for {n} tokens")
         if not 0 <= self.prompt_len <= n:
             raise ValueError(f"trajectory {self.traj_id}: prompt_len {self.prompt_len} outside [0, {n}]")
 

@@ -131,6 +131,9 @@ DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERS
 # The demo judge (configs/judge_demo.yaml, data/demo_judge.py): a tiny model trained to grade the next-digit
 # task (its cache name carries the recipe's version).
 DEMO_NAMES.update({"demo:next-digit-judge": "next-digit-judge-v2"})  # v = demo_judge.JUDGE_VERSION
+# The demo teacher (configs/distill_demo.yaml, data/demo_teacher.py): a tiny model trained on the next-digit
+# task, distilled into a fresh policy (its cache name carries the recipe's version).
+DEMO_NAMES.update({"demo:next-digit-teacher": "next-digit-teacher-v1"})  # v = demo_teacher.TEACHER_VERSION
 
 
 # A real architecture (Qwen3-0.6B's config, random init, Qwen3's tokenizer) and gsm8k-style chat data:
@@ -183,6 +186,10 @@ def resolve_demo_name(name: str, key: str) -> str:
         from areal_like.data.demo_judge import ensure_demo_judge
 
         ensure_demo_judge(path)
+    elif name == "demo:next-digit-teacher":
+        from areal_like.data.demo_teacher import ensure_demo_teacher
+
+        ensure_demo_teacher(path)
     elif name == "demo:calc-agent":
         _agent_task.ensure_calc_agent(path)
     elif name in ("demo:calc-train", "demo:calc-val"):

@@ -538,6 +538,55 @@ class GenerationClient:
             self.inflight[url] -= 1
 
 
+    async def score(self, seqs: list[list[int]], starts: list[int], *, key: str | None = None) -> list[list[float]]:
+        """The served model's logprob of each token of `seqs[i][starts[i]:]` given the tokens before it (a
+        teacher's scoring of samples' own tokens; every start ≥ 1), in one batched request: SGLang's
+        `/generate` with the sequences as `input_ids`, `max_new_tokens` 0, `return_logprob` and one
+        `logprob_start_len` per sequence → each reply's `meta_info.input_token_logprobs` (not
+        temperature-scaled). Timeouts are sent again (to another server when there is one) up to
+        `max_timeout_retries` times; a server that goes down fails over as `generate` does."""
+        if len(seqs) != len(starts) or not seqs:
+            raise ValueError(f"score: {len(seqs)} sequences and {len(starts)} starts: give one start per sequence")
+        for ids, st in zip(seqs, starts):
+            if not 1 <= st < len(ids):
+                raise ValueError(f"score: start={st} must be in [1, {len(ids)}) (the first token has no logprob)")
+        url = await self._route(key, "score")
+        timeouts = failovers = 0
+        tried: list[str] = []
+        body = {"input_ids": [list(x) for x in seqs], "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                "return_logprob": True, "logprob_start_len": list(starts)}
+        while True:
+            body["rid"] = [uuid.uuid4().hex for _ in seqs]
+            try:
+                reply = await self._attempt(url, body)
+            except GenerationTimeout as e:
+                timeouts += 1
+                tried.append(url)
+                if timeouts > self.max_timeout_retries:
+                    raise GenerationTimeout(url, f"score: timed out {timeouts} times (request_timeout_s="
+                                                 f"{self.request_timeout_s:g}) on {', '.join(tried)}; last: {e}") from e
+                url = self._pick_other(url)
+                continue
+            except ServerDownError as e:
+                if failovers >= self.max_failovers:
+                    raise
+                failovers += 1
+                url = await self._route(key, f"score failing over from {url} ({e})")
+                continue
+            replies = reply if isinstance(reply, list) else [reply]
+            if len(replies) != len(seqs):
+                raise GenerationError(f"{url}/generate: {len(replies)} replies to a batch of {len(seqs)} scorings")
+            out = []
+            for ids, st, r in zip(seqs, starts, replies):
+                lps = (r.get("meta_info") or {}).get("input_token_logprobs")
+                want = len(ids) - st
+                if not isinstance(lps, list) or len(lps) != want or any(e is None or e[0] is None for e in lps):
+                    raise GenerationError(f"{url}/generate: input_token_logprobs of {want} tokens from position {st} "
+                                          f"expected, got {str(lps)[:200]}")
+                out.append([float(e[0]) for e in lps])
+            return out
+
+
 def _version(v: Any, url: str, fallback: int) -> int:
     if v is None or v == "default":  # the server does not track versions: use the caller's
         return fallback

@@ -24,7 +24,7 @@ class Job:
 @dataclass
 class GenOpts:
     return_logprob: bool = False
-    logprob_start_len: int = -1
+    logprob_start_len: int | list[int] = -1  # one for all prompts, or one per prompt (SGLang's list form)
     top_logprobs_num: int = 0
     text_in_logprobs: bool = False
     stream: bool = False

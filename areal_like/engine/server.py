@@ -523,8 +523,12 @@ class GenerationServer:
 
     async def _parse_generate(self, body: dict[str, Any]) -> tuple[list[Job], bool, GenOpts, list[list[int]]]:
         self.check_fields(body, GENERATE_FIELDS, GENERATE_NOOP, GENERATE_META, "/generate")
+        lsl = body.get("logprob_start_len")
+        per_prompt_lsl = isinstance(lsl, list)  # SGLang's per-prompt form: one start per prompt of a batch
+        if per_prompt_lsl and not all(type(v) is int for v in lsl):
+            raise BadRequest(f"'logprob_start_len' must be an integer or a list of integers, got {_short(lsl)}")
         opts = GenOpts(return_logprob=self._opt(body, "return_logprob", bool, False),
-                       logprob_start_len=self._opt(body, "logprob_start_len", int, -1),
+                       logprob_start_len=list(lsl) if per_prompt_lsl else self._opt(body, "logprob_start_len", int, -1),
                        top_logprobs_num=self._opt(body, "top_logprobs_num", int, 0),
                        text_in_logprobs=self._opt(body, "return_text_in_logprobs", bool, False),
                        stream=self._opt(body, "stream", bool, False))
@@ -541,6 +545,8 @@ class GenerationServer:
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
         if len(sps) != len(prompts):
             raise BadRequest("'sampling_params' list must match the number of prompts")
+        if per_prompt_lsl and len(opts.logprob_start_len) != len(prompts):
+            raise BadRequest(f"'logprob_start_len' list has {len(opts.logprob_start_len)} entries for {len(prompts)} prompts")
         params = [self._sampling(sp, len(p)) for sp, p in zip(sps, prompts)]
         if isinstance(rid, list):
             if len(rid) != len(prompts):
@@ -561,12 +567,15 @@ class GenerationServer:
         jobs, as_list, opts, prompts = await self._parse_generate(body)
         try:  # a client that disconnects cancels this handler: its requests abort (submit_request)
             self.request_loras.resolve(jobs)
-            if opts.return_logprob and opts.logprob_start_len >= 0:
+            if opts.return_logprob:
                 for pi, prompt in enumerate(prompts):
+                    start = (opts.logprob_start_len[pi] if isinstance(opts.logprob_start_len, list)
+                             else opts.logprob_start_len)
+                    if start < 0:
+                        continue
                     slot = next((j.seq.lora for j in jobs if j.prompt_index == pi), None)
-                    opts.input_logprobs[pi] = await self.input_logprobs(prompt, opts.logprob_start_len,
-                                                                        opts.top_logprobs_num, opts.text_in_logprobs,
-                                                                        slot)
+                    opts.input_logprobs[pi] = await self.input_logprobs(prompt, start, opts.top_logprobs_num,
+                                                                        opts.text_in_logprobs, slot)
             t0 = time.perf_counter()
             if opts.stream:
                 return await self._stream_generate(request, jobs, as_list, opts, t0)

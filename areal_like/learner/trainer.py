@@ -57,6 +57,7 @@ from areal_like.api.config import (
     CriticConfig,
     ExperimentConfig,
     RefConfig,
+    TeacherConfig,
     RewardShapingConfig,
     TrainConfig,
 )
@@ -131,6 +132,7 @@ class Trainer:
         gradient_checkpointing: bool = False,
         fp32_lm_head: bool = False,
         lora: LoraSettings | None = None,
+        teacher: TeacherConfig | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)} (model.dtype)")
@@ -156,6 +158,10 @@ class Trainer:
         self.alg = algorithm or AlgorithmConfig()
         self.critic_cfg = critic or CriticConfig()
         self.reward_cfg = reward or RewardShapingConfig()
+        # On-policy distillation (teacher.*): every sample carries the teacher's logprobs; its per-token reverse
+        # KL enters the advantage (`_advantages`). None without a teacher.
+        self.teacher = teacher if teacher is not None and teacher.model_path else None
+        self._teacher_kl: float | None = None  # the last step's mean, for TrainStats
         self.model_path = model_path
         self.temperature = float(temperature)
         self.device = torch.device(device)
@@ -213,7 +219,7 @@ class Trainer:
                    reward=cfg.reward, max_new_tokens=cfg.generation.max_new_tokens,
                    gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                    lora=LoraSettings.from_model_config(cfg.model),
-                   fp32_lm_head=cfg.model.fp32_lm_head)
+                   fp32_lm_head=cfg.model.fp32_lm_head, teacher=cfg.teacher)
 
     @property
     def memory_policy(self) -> str:
@@ -343,6 +349,41 @@ class Trainer:
     def _advantages(self, samples: list[Trajectory], mine: list[int], scores_N: np.ndarray,
                     group_index_N: np.ndarray, channels: dict[int, SampleArrays]
                     ) -> tuple[SampleArrays, SampleArrays]:
+        """`_reward_advantages`, and with a teacher (on-policy distillation, teacher.*) each loss token's
+        advantage A_t ← reward_weight · A_t − kl_coef · (log π_behav(y_t) − log π_teacher(y_t)): the per-token
+        reverse KL of the sampled token (slime's OPD), from the behaviour logprobs the servers returned."""
+        adv, returns = self._reward_advantages(samples, mine, scores_N, group_index_N, channels)
+        t = self.teacher
+        if t is None:
+            return adv, returns
+        rkl_N, mask_N = [], []
+        for s in samples:
+            teacher = s.teacher_logprobs_np()
+            if teacher is None:
+                raise ValueError(f"trajectory {s.traj_id} carries no teacher logprobs, but this run distills from a "
+                                 f"teacher (teacher.model_path={t.model_path}): its group was written by a rollout "
+                                 f"worker without the teacher pool")
+            m = s.mask_np().astype(np.float32)
+            m[0] = 0.0  # position 0 is never a loss token
+            mask_N.append(m)
+            rkl_N.append((s.logprobs_np() - teacher) * m)
+        sums = np.array([r.sum() for r in rkl_N], dtype=np.float64)
+        counts = np.array([m.sum() for m in mask_N], dtype=np.float64)
+        base = np.zeros(len(samples), dtype=np.float64)
+        if t.baseline == "group":  # leave-one-out mean per-token reverse KL of the group's other samples
+            g_sum = np.bincount(group_index_N, weights=sums)
+            g_cnt = np.bincount(group_index_N, weights=counts)
+            other_sum, other_cnt = g_sum[group_index_N] - sums, g_cnt[group_index_N] - counts
+            base = np.where(other_cnt > 0, other_sum / np.maximum(other_cnt, 1), 0.0)
+        for i in adv:
+            a = -t.kl_coef * (rkl_N[i] - base[i] * mask_N[i])
+            adv[i] = (t.reward_weight * adv[i] + a).astype(np.float32)
+        self._teacher_kl = float(sums.sum() / counts.sum()) if counts.sum() else float("nan")
+        return adv, returns
+
+    def _reward_advantages(self, samples: list[Trajectory], mine: list[int], scores_N: np.ndarray,
+                           group_index_N: np.ndarray, channels: dict[int, SampleArrays]
+                           ) -> tuple[SampleArrays, SampleArrays]:
         """Per-token advantages (and critic returns for gae) of this rank's samples.
 
         Token rewards: the sequence score on the last loss token, minus kl_reward_coef·KL(π ‖ π_ref)
@@ -697,6 +738,7 @@ class Trainer:
             mismatch_ratio_outside=st["mm_outside"] / mm_n if mm_n else float("nan"),
             mismatch_tokens=int(round(mm_n)),
             kl_ref=st["kl_ref"] if self.has_ref else None,
+            teacher_kl=self._teacher_kl if self.teacher is not None else None,
             value_loss=float(np.mean(value_losses)) if value_losses else None,
             critic_grad_norm=float(np.mean(critic_norms)) if critic_norms else None,
             lr=lr, critic_lr=critic_lr if self.critic is not None else None,

@@ -58,6 +58,12 @@ JUDGE_LATENCY = Histogram("areal_like_judge_latency_seconds", "Time of one judge
 JUDGE_GRADINGS = Counter("areal_like_judge_gradings", "Judge gradings by outcome: ok, or the reward failure kind "
                          "(exception, timeout, not_a_number)", ["outcome"], registry=REGISTRY)
 
+TEACHER_LATENCY = Histogram("areal_like_teacher_latency_seconds", "Time of one teacher scoring of a group's samples "
+                            "(teacher.*: on-policy distillation; one batched request), retries included",
+                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0), registry=REGISTRY)
+TEACHER_SCORINGS = Counter("areal_like_teacher_scorings", "Teacher scorings of samples by outcome: ok or failed (the "
+                           "group then fails and its prompt is retried)", ["outcome"], registry=REGISTRY)
+
 # --- buffer ------------------------------------------------------------------------------------
 BUFFER_DEPTH = Gauge("areal_like_buffer_depth", "Groups in the replay buffer not yet consumed", registry=REGISTRY)
 BUFFER_PENDING = Gauge("areal_like_buffer_pending", "Groups delivered to the learner but not acknowledged", registry=REGISTRY)

@@ -142,6 +142,13 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
         reward_fn.judge = Judge.from_config(cfg.judge, endpoints.judge_servers, api_key=cfg.server.api_key)
         _log(index, f"judge {cfg.judge.model_path} on {', '.join(endpoints.judge_servers)} (score_rule "
                     f"{cfg.judge.score_rule}; reward = {cfg.judge.rule_weight:g} × rule + {cfg.judge.weight:g} × judge)")
+    teacher = None
+    if endpoints.teacher_servers:  # the allocation's teacher component (teacher.*): on-policy distillation
+        from areal_like.rollout.teacher import Teacher
+
+        teacher = Teacher.from_config(cfg.teacher, endpoints.teacher_servers, api_key=cfg.server.api_key)
+        _log(index, f"teacher {cfg.teacher.model_path} on {', '.join(endpoints.teacher_servers)} scores every sample "
+                    f"(advantage = {cfg.teacher.reward_weight:g} × reward's − {cfg.teacher.kl_coef:g} × reverse KL)")
     report_task = asyncio.create_task(reward_report.run(stop), name="reward-failure-report")
     loop = asyncio.get_running_loop()
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -254,6 +261,8 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
                 try:
                     async with bound:
                         group = await workflow.run_group(record, group_id)
+                        if teacher is not None and group is not None:  # its logprobs of every sample's tokens
+                            await teacher.score_group(group)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # the workflow's failure: counted, the prompt retried after a backoff
@@ -382,6 +391,8 @@ async def run(run_dir: str, index: int, metrics_port: int | None, launch: str) -
         if dump is not None:
             dump.close()
     await reward_fn.close()
+    if teacher is not None:
+        await teacher.close()
     stop.set()
     await asyncio.gather(report_task, return_exceptions=True)  # its last flush: every failure counted
     await buffer.aclose()  # closes the endpoint the gate shares

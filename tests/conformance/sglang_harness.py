@@ -351,8 +351,19 @@ class Recorder:
 
     # ----------------------------------------------------------------- generation
     async def generate_request(self, obj, request=None):
+        if isinstance(obj.input_ids, list) and obj.input_ids and isinstance(obj.input_ids[0], list):
+            # a batch (a teacher's scoring of a group): SGLang's own normalisation (per-item lists checked,
+            # e.g. one logprob_start_len per sequence) and its own split into single requests
+            obj.normalize_batch_and_arguments()
+            outs = []
+            for i in range(obj.batch_size):
+                async for out in self.generate_request(obj[i], request):
+                    outs.append(out)
+            yield outs
+            return
         sp = dict(obj.sampling_params or {}) if isinstance(obj.sampling_params, dict) else {}
-        self._event("generate", rid=obj.rid, input_ids=obj.input_ids, sampling_params=sp, paused=self.paused)
+        self._event("generate", rid=obj.rid, input_ids=obj.input_ids, sampling_params=sp, paused=self.paused,
+                    return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len)
         await self._unpaused_event().wait()  # SGLang holds new requests while paused
         if obj.lora_path:  # as SGLang does: after the pause wait, SGLang's own resolution
             try:
@@ -364,13 +375,17 @@ class Recorder:
             self._event("generate_lora", rid=obj.rid, lora_path=obj.lora_path, lora_id=obj.lora_id,
                         adapter_path=a.get("path"), tensors=a.get("tensors"))
             await self.lora_registry.release(obj.lora_id)
-        n = int(sp.get("max_new_tokens") or 1)
+        n = int(sp["max_new_tokens"]) if sp.get("max_new_tokens") is not None else 1  # 0: scoring only
         out = [(7 + i) % 100 for i in range(n)]
         self.last_receive_tstamp = time.time()
-        yield {"text": "", "output_ids": out, "meta_info": {
-            "id": obj.rid, "finish_reason": {"type": "length", "length": n},
-            "prompt_tokens": len(obj.input_ids or []), "completion_tokens": n, "cached_tokens": 0,
-            "output_token_logprobs": [[-0.5, t, None] for t in out], "weight_version": self.weight_version()}}
+        meta = {"id": obj.rid, "finish_reason": {"type": "length", "length": n},
+                "prompt_tokens": len(obj.input_ids or []), "completion_tokens": n, "cached_tokens": 0,
+                "output_token_logprobs": [[-0.5, t, None] for t in out], "weight_version": self.weight_version()}
+        start = obj.logprob_start_len if isinstance(obj.logprob_start_len, int) else -1
+        if obj.return_logprob and start is not None and start >= 0:  # SGLang's shape: the first token has none
+            meta["input_token_logprobs"] = [[None if k == 0 else -0.25 - 0.01 * k, t, None]
+                                            for k, t in enumerate(obj.input_ids or []) if k >= start]
+        yield {"text": "", "output_ids": out, "meta_info": meta}
 
     def create_abort_task(self, obj):
         return None

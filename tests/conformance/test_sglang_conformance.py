@@ -814,3 +814,24 @@ def test_a_delta_reaches_sglangs_model_through_its_own_tensor_route_bit_exact(tm
     start = max(k for k, e in enumerate(rec["events"][:i]) if e["kind"] == "pause")
     window = [e["kind"] for e in rec["events"][start:] if e["kind"] != "generate"][:7]
     assert window == ["pause", "begin", "update_tensor", "weight_version", "end", "flush", "continue"], window
+
+
+# ------------------------------------------------------------------------------------------ teacher scoring (issue 43)
+def test_a_teachers_scoring_request_is_sglangs_batched_generate_with_per_sequence_logprob_starts(harness):
+    """Issue 43 item 4: `GenerationClient.score` (a teacher scoring a group's samples for on-policy
+    distillation) is one /generate that SGLang 0.5.23's own request type takes — `input_ids` a list of
+    sequences, `logprob_start_len` one per sequence, `max_new_tokens` 0, `return_logprob` — and that SGLang's
+    own normalisation splits into single requests, each asking for its sequence's logprobs from its start;
+    the client reads each reply's `input_token_logprobs` (SGLang's shape) back in order."""
+    h = harness()
+    seqs, starts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5]], [2, 1, 4]
+
+    async def go():
+        async with GenerationClient([h.url], api_key=API) as client:
+            return await client.score(seqs, starts, key="g")
+
+    got = asyncio.run(go())
+    assert got == [[-0.25 - 0.01 * k for k in range(st, len(ids))] for ids, st in zip(seqs, starts)]
+    gens = [e for e in h.record()["events"] if e["kind"] == "generate"]
+    assert [(e["input_ids"], e["logprob_start_len"], e["return_logprob"], e["sampling_params"]["max_new_tokens"])
+            for e in gens] == [(ids, st, True, 0) for ids, st in zip(seqs, starts)]

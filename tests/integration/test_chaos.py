@@ -96,7 +96,7 @@ def test_run_survives_sigkill_of_every_role(tmp_path, demo_assets, allocation):
     assert proc.returncode == 0, context
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "completed", context
-    assert summary["restart_counts"] == {"learner": 1, "server": 1, "rollout": 1, "judge": 0, "redis": 1}, context
+    assert summary["restart_counts"] == {"learner": 1, "server": 1, "rollout": 1, "judge": 0, "teacher": 0, "redis": 1}, context
     assert [r["role"] for r in summary["restarts"]] == killed, context
     assert summary["final_version"] == STEPS
 

@@ -174,6 +174,26 @@ async def test_input_logprobs_from_start_and_top_logprobs(server, local_model):
     assert "input_top_logprobs" not in r2["meta_info"] and "output_top_logprobs" not in r2["meta_info"]
 
 
+async def test_a_teachers_batched_scoring_is_the_models_logprobs_from_each_start(server, local_model):
+    """On-policy distillation's request (issue 43 item 4, `GenerationClient.score`): a batch of sequences, each
+    with its own `logprob_start_len` (SGLang's list form) and no new token → each sequence's logprobs of its
+    tokens from its start, the model's own (not temperature-scaled)."""
+    from areal_like.engine.client import GenerationClient
+
+    seqs, starts = [[10, 11, 12, 13, 14], [20, 21, 22], [5, 6, 7, 8]], [2, 1, 3]
+    async with GenerationClient([server.url], api_key=API) as client:
+        got = await client.score(seqs, starts, key="g")
+    for ids, st, lps in zip(seqs, starts, got):
+        with torch.no_grad():
+            logits = local_model(input_ids=torch.tensor([ids])).logits
+        ref = token_logprobs_from_logits(logits[:, :-1], torch.tensor([ids[1:]]), 1.0)[0][st - 1:]
+        assert len(lps) == len(ids) - st and (torch.tensor(lps) - ref).abs().max() < 1e-4
+    bad = await call("POST", server.url, "/generate", {"input_ids": seqs, "return_logprob": True,
+                                                      "logprob_start_len": [1, 1],
+                                                      "sampling_params": {"max_new_tokens": 0}})
+    assert bad[0] == 400 and "'logprob_start_len' list has 2 entries for 3 prompts" in json.dumps(bad[1])
+
+
 async def test_penalties_change_greedy_output(server):
     base = await gen(server.url, {"input_ids": [5, 6], "sampling_params": {**GREEDY, "max_new_tokens": 30}})
     ids = base["output_ids"]

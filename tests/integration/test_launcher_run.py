@@ -128,7 +128,7 @@ def test_dead_rollout_worker_is_restarted_until_its_budget_then_the_run_stops(tm
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "rollout0" in summary["exit_reason"] and "max_restarts.rollout" in summary["exit_reason"]
     assert [(r["role"], r["exit_code"]) for r in summary["restarts"]] == [("rollout0", -9)]
-    assert summary["restart_counts"] == {"learner": 0, "server": 0, "rollout": 1, "judge": 0, "redis": 0}
+    assert summary["restart_counts"] == {"learner": 0, "server": 0, "rollout": 1, "judge": 0, "teacher": 0, "redis": 0}
     # the groups the dead worker had in flight are counted, not silently gone
     lost = re.search(r"restarted; (\d+) group\(s\) it had in flight counted as lost_in_flight", out)
     assert lost, out[-3000:]
@@ -196,8 +196,8 @@ def test_unrunnable_allocations_fail_before_starting(tmp_path):
 
     cases = [("embedded.d1p1t1", "training part"), ("vllm.d1p1t1+d1p1t1", "vllm"),
              ("embedded.d1p1t2+d1p1t1", "one device per server"), ("embedded.d1+d1x", "invalid allocation"),
-             # named components beyond one rollout pool, one actor pool and a judge pool are planned (launcher
-             # plan) but not started
+             # named components beyond one rollout pool, one actor pool, a judge and a teacher pool are planned
+             # (launcher plan) but not started
              ("embedded[rollout]:d1+fsdp[actor]:d1|fsdp[critic]:d1", "fsdp[critic] (role critic)"),
              ("embedded[rollout]:d1+megatron[actor]:d1+embedded[judge]:d1", "judge.model_path is not set"),
              ("embedded[rollout]:d1+fsdp[actor]:d1+sglang[judge]:d1 judge.model_path=demo:tiny-qwen2",
@@ -205,6 +205,10 @@ def test_unrunnable_allocations_fail_before_starting(tmp_path):
              ("embedded[rollout]:d1+fsdp[actor]:d1|embedded[judge]:d1 "
               "judge.model_path=demo:tiny-qwen2", "co-located"),
              ("embedded.d1p1t1+d1p1t1 judge.model_path=demo:tiny-qwen2", "has no judge component"),
+             # a teacher pool (on-policy distillation) likewise: embedded, a pool of its own, with its model
+             ("embedded[rollout]:d1+fsdp[actor]:d1+sglang[teacher]:d1 teacher.model_path=demo:tiny-qwen2",
+              "SGLang teacher servers are not started yet"),
+             ("embedded[rollout]:d1+fsdp[actor]:d1+embedded[teacher]:d1", "teacher.model_path is not set"),
              ("embedded:d1+archon:d1", "training backend 'archon' can be planned but not run")]
     if importlib.util.find_spec("sglang") is None:  # on GPU machines with sglang this one would start
         cases.append(("sglang.d1p1t1+d1p1t1", "scripts/setup.sh --sglang"))  # names server.python too

@@ -161,7 +161,7 @@ def test_ray_run_survives_killed_server_and_learner_actors(tmp_path, demo_assets
     assert rc == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "completed" and summary["final_version"] == steps, summary
-    assert summary["restart_counts"] == {"learner": 1, "server": 1, "rollout": 0, "judge": 0, "redis": 0}, summary
+    assert summary["restart_counts"] == {"learner": 1, "server": 1, "rollout": 0, "judge": 0, "teacher": 0, "redis": 0}, summary
     assert [r["role"] for r in summary["restarts"]] == killed, summary["restarts"]
     assert all(r["exit_code"] == -9 for r in summary["restarts"]), summary["restarts"]  # an actor killed = SIGKILL
     history = effective_history(str(run_dir / "trained.jsonl"))
@@ -191,7 +191,9 @@ def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path
     gets the run's Redis password or the user's REDIS_* secrets (issue 24 item 11), and the Redis metrics
     endpoint is served on the driver's node. The allocation has a judge pool (issue 43 item 3): its server
     is a Ray actor on the plan's device, and grades every sample (here the demo model itself serves as the
-    judge: half of each reward is its p(Y) / (p(Y) + p(N)) after the sample, half the demo's rule reward)."""
+    judge: half of each reward is its p(Y) / (p(Y) + p(N)) after the sample, half the demo's rule reward).
+    And a teacher pool (issue 43 item 4): its server is a Ray actor on its own plan device, and it scores every
+    sample (the demo model again; its per-token reverse KL enters the advantage at teacher.kl_coef=0.1)."""
     from test_redis_exporter import DECOY, _redis_conf, _redis_target, _scrape
 
     model, data = demo_assets
@@ -199,7 +201,8 @@ def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | RAY_ENV
     env |= {"AREAL_LIKE_REDIS_PASSWORD": DECOY, "REDIS_PASSWORD": DECOY}
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", "--config", "configs/demo.yaml", "--backend", "ray",
-                             "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1",
+                             "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1+embedded[teacher]:d1",
+                             f"teacher.model_path={model}", "teacher.kl_coef=0.1",
                              "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
                              "train.total_steps=100000", f"judge.model_path={model}", "judge.score_rule=verdict",
                              "judge.verdict_tokens=[Y,N]", "judge.top_logprobs_num=100", "judge.weight=0.5",
@@ -209,7 +212,7 @@ def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path
     try:
         _wait(lambda: _steps(run_dir) >= 4, proc, time.monotonic() + 300, "step 4")
         password = _redis_conf(str(run_dir))["requirepass"]
-        for role in ("server0", "judge0"):
+        for role in ("server0", "judge0", "teacher0"):
             pid = json.loads((run_dir / "pids.json").read_text())["roles"][role]
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = f.read()
@@ -223,11 +226,15 @@ def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path
             os.killpg(proc.pid, signal.SIGINT)
     rc, out = launcher_finish(proc, timeout=300)
     assert rc == 130, out[-4000:]
-    assert "local Ray cluster: no GPU here; 3 logical device(s) declared for the CPU run" in out, out[-3000:]
+    assert "local Ray cluster: no GPU here; 4 logical device(s) declared for the CPU run" in out, out[-3000:]
     status = json.loads(launcher_cli("status", "--run-dir", str(run_dir), "--json")[1])
     assert status["backend"] == "ray" and len({r["ray_node_id"] for r in status["roles"] if r.get("ray_node_id")}) == 1
     judge = next(r for r in status["roles"] if r["name"] == "judge0")
     assert (judge["node"], judge["devices"], judge["state"]) == (0, [2], "ended"), judge  # the plan's device 2
+    teacher = next(r for r in status["roles"] if r["name"] == "teacher0")
+    assert (teacher["node"], teacher["devices"], teacher["state"]) == (0, [3], "ended"), teacher
+    kls = [json.loads(line).get("teacher_kl") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert kls and all(k is not None and k == k for k in kls), kls  # every step distilled (a number, not NaN)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] >= 4 and not any(summary["reward_failures"].values()), summary
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

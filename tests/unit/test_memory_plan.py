@@ -115,7 +115,7 @@ def test_json_parts_per_device(tmp_path: Path) -> None:
     assert mem["fits"] is True and mem["fixes"] == []
 
 
-def test_a_judge_pools_servers_count_the_judge_models_weights(tmp_path: Path) -> None:
+def test_judge_and_teacher_pools_servers_count_their_own_models_weights(tmp_path: Path) -> None:
     """Issue 43: `embedded[judge]:…` servers hold judge.model_path (its own shape) on their own devices; a
     judge.model_path that is no HF model dir is listed with the reason its weights are not counted."""
     policy = _model(tmp_path, QWEN25_05B, "policy.json")
@@ -129,6 +129,11 @@ def test_a_judge_pools_servers_count_the_judge_models_weights(tmp_path: Path) ->
     proc = _run("--allocation", alloc, "--model", policy, "judge.model_path=demo:next-digit-judge", tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "judge server 1 (not counted: judge.model_path 'demo:next-digit-judge' is not an HF model dir" in proc.stdout
+    # a teacher pool likewise (on-policy distillation: teacher.model_path)
+    mem = _memory(tmp_path, "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+embedded[teacher]:d1", "--model",
+                  policy, f"teacher.model_path={judge}")
+    (teacher,) = [d for d in mem["devices"] if d["roles"] == ["teacher server 0"]]
+    assert teacher["device"] == 2 and teacher["weights_bytes"] == judges[0]["weights_bytes"]
 
 
 def test_table_marks_over_full_devices_and_names_a_fix(tmp_path: Path) -> None:
