@@ -602,7 +602,7 @@ class Run:
         """One embedded engine server (`server<i>` serving the policy, or — `aux` judge or teacher — `judge<i>` /
         `teacher<i>` serving judge.model_path / teacher.model_path, which the learner never updates: no LoRA,
         no weight group) → (url, role)."""
-        judge = aux is not None
+        fixed = aux is not None  # a judge's or teacher's fixed model: no LoRA, no fp32 head, its own limits
         cfg, sv = self.cfg, self.cfg.server
         port = port or self.procs.free_port(name)
         host = self.procs.host(name) if self.procs.backend == "ray" else sv.host
@@ -620,9 +620,9 @@ class Run:
                 "--weight-sync-timeout-s", str(cfg.weights.timeout_s)]
         if not cfg.metrics.prometheus:
             argv.append("--disable-metrics")
-        if cfg.model.fp32_lm_head and not judge:
+        if cfg.model.fp32_lm_head and not fixed:
             argv.append("--enable-fp32-lm-head")
-        if cfg.model.lora_rank > 0 and not judge:
+        if cfg.model.lora_rank > 0 and not fixed:
             # runtime LoRA: the run's adapter (each push replaces it) plus the one a push is swapping
             # in while requests that started on the old one still run
             argv += ["--enable-lora", "--max-lora-rank", str(cfg.model.lora_rank), "--lora-target-modules",
@@ -632,7 +632,7 @@ class Run:
                      "--start-paused"]
         argv += ["--max-n", str(sv.max_n), "--max-request-bytes", str(int(sv.max_request_mb * 2**20))]
         for flag, value in (("--max-new-tokens-limit", sv.max_new_tokens_limit),
-                            ("--max-prompt-len", None if judge else sv.max_prompt_len),
+                            ("--max-prompt-len", None if fixed else sv.max_prompt_len),
                             ("--max-queued-tokens", sv.max_queued_tokens)):
             if value is not None:
                 argv += [flag, str(value)]

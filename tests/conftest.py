@@ -217,6 +217,21 @@ def launcher_finish(proc, timeout: float = 300) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def kill_role_at_step(proc, run_dir, role: str, step: int, timeout: float = 300) -> None:
+    """SIGKILL `role` (its pid from pids.json) once the spawned run `proc` wrote `step` rows of metrics.jsonl."""
+    import json
+    import os
+    import signal
+    import time
+
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step):
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before step {step}"
+        time.sleep(0.2)
+    os.kill(json.loads((run_dir / "pids.json").read_text())["roles"][role], signal.SIGKILL)
+
+
 def launcher_cli(*argv: str, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
     """`launcher <argv…>` to the end → (exit code, output)."""
     return launcher_finish(launcher_spawn(*argv, env=env), timeout)

@@ -1049,23 +1049,31 @@ class ExperimentConfig(_Section):
                        + (mt.max_assistant_turns - 1) * mt.max_tool_response_tokens)
         return need
 
+    def _check_aux_pool(self, role: str) -> bool | None:
+        """A judge or teacher component needs `<role>.model_path`, and the path needs the component (nothing
+        else would read it): whether the allocation has one, None when the allocation does not parse."""
+        from allocation import AllocationError, parse_allocation
+
+        path = getattr(self, role).model_path
+        try:
+            has = any(c.role == role for c in parse_allocation(self.allocation).components)
+        except AllocationError:
+            return None
+        if has and not path:
+            raise ConfigError(f"allocation {self.allocation!r} has a {role} component but {role}.model_path is not set: "
+                              f"set {role}.model_path=<the {role}'s model directory>")
+        if not has and path:
+            raise ConfigError(f"{role}.model_path={path!r} but the allocation {self.allocation!r} has no {role} "
+                              f"component to serve it: add one, e.g. --allocation "
+                              f"'embedded[rollout]:d1+fsdp[actor]:d1+embedded[{role}]:d1', or unset {role}.model_path")
+        return has
+
     def _check_judge(self) -> None:
         """`judge.*` against the allocation: a judge component needs `judge.model_path`, and the judge
         settings need a judge component (nothing would read them)."""
-        from allocation import AllocationError, parse_allocation
-
         j = self.judge
-        try:
-            has_judge = any(c.role == "judge" for c in parse_allocation(self.allocation).components)
-        except AllocationError:
+        if self._check_aux_pool("judge") is None:
             return  # the allocation's own error is reported where it is parsed
-        if has_judge and not j.model_path:
-            raise ConfigError(f"allocation {self.allocation!r} has a judge component but judge.model_path is not set: "
-                              f"set judge.model_path=<the judge's model directory>")
-        if not has_judge and j.model_path:
-            raise ConfigError(f"judge.model_path={j.model_path!r} but the allocation {self.allocation!r} has no judge "
-                              f"component to serve it: add one, e.g. --allocation "
-                              f"'embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1', or unset judge.model_path")
         try:
             j.prompt_template.format(question="", response="", reference="")
         except (KeyError, IndexError, ValueError) as e:
@@ -1092,20 +1100,10 @@ class ExperimentConfig(_Section):
 
     def _check_teacher(self) -> None:
         """`teacher.*` against the allocation, as `_check_judge`."""
-        from allocation import AllocationError, parse_allocation
-
         t = self.teacher
-        try:
-            has_teacher = any(c.role == "teacher" for c in parse_allocation(self.allocation).components)
-        except AllocationError:
+        has_teacher = self._check_aux_pool("teacher")
+        if has_teacher is None:
             return
-        if has_teacher and not t.model_path:
-            raise ConfigError(f"allocation {self.allocation!r} has a teacher component but teacher.model_path is not "
-                              f"set: set teacher.model_path=<the teacher's model directory>")
-        if not has_teacher and t.model_path:
-            raise ConfigError(f"teacher.model_path={t.model_path!r} but the allocation {self.allocation!r} has no "
-                              f"teacher component to serve it: add one, e.g. --allocation "
-                              f"'embedded[rollout]:d1+fsdp[actor]:d1+embedded[teacher]:d1', or unset teacher.model_path")
         for key in ("kl_coef", "reward_weight"):
             v = getattr(t, key)
             if not (math.isfinite(v) and v >= 0):

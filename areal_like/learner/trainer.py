@@ -106,6 +106,24 @@ _MAX_STATS = ("behav_w_max", "ratio_max", "neg_behav_w_min", "mm_abs_max")
 _COUNT_STATS = ("behav_tokens_capped", "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")  # sums, not means
 
 
+def reverse_kl_tokens(samples: list[Trajectory], teacher: str | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """On-policy distillation: per sample, the per-token reverse KL of the sampled tokens to the teacher,
+    log π_behav − log π_teacher, on loss tokens (0 elsewhere), and the loss mask (position 0 never a loss
+    token). A sample without teacher logprobs is refused, naming the teacher (`teacher.model_path`)."""
+    rkl_N, mask_N = [], []
+    for s in samples:
+        lp = s.teacher_logprobs_np()
+        if lp is None:
+            raise ValueError(f"trajectory {s.traj_id} carries no teacher logprobs, but this run distills from a "
+                             f"teacher (teacher.model_path={teacher}): its group was written by a rollout worker "
+                             f"without the teacher pool")
+        m = s.mask_np().astype(np.float32)
+        m[0] = 0.0
+        mask_N.append(m)
+        rkl_N.append((s.logprobs_np() - lp) * m)
+    return rkl_N, mask_N
+
+
 class Trainer:
     """One rank of the learner pool (or the whole learner, for d1p1t1). Construct it on every rank
     with the same arguments; call every method on every rank (they are collective).
@@ -356,17 +374,7 @@ class Trainer:
         t = self.teacher
         if t is None:
             return adv, returns
-        rkl_N, mask_N = [], []
-        for s in samples:
-            teacher = s.teacher_logprobs_np()
-            if teacher is None:
-                raise ValueError(f"trajectory {s.traj_id} carries no teacher logprobs, but this run distills from a "
-                                 f"teacher (teacher.model_path={t.model_path}): its group was written by a rollout "
-                                 f"worker without the teacher pool")
-            m = s.mask_np().astype(np.float32)
-            m[0] = 0.0  # position 0 is never a loss token
-            mask_N.append(m)
-            rkl_N.append((s.logprobs_np() - teacher) * m)
+        rkl_N, mask_N = reverse_kl_tokens(samples, t.model_path)
         sums = np.array([r.sum() for r in rkl_N], dtype=np.float64)
         counts = np.array([m.sum() for m in mask_N], dtype=np.float64)
         base = np.zeros(len(samples), dtype=np.float64)
@@ -378,7 +386,6 @@ class Trainer:
         for i in adv:
             a = -t.kl_coef * (rkl_N[i] - base[i] * mask_N[i])
             adv[i] = (t.reward_weight * adv[i] + a).astype(np.float32)
-        self._teacher_kl = float(sums.sum() / counts.sum()) if counts.sum() else float("nan")
         return adv, returns
 
     def _reward_advantages(self, samples: list[Trajectory], mine: list[int], scores_N: np.ndarray,
@@ -670,7 +677,11 @@ class Trainer:
                 channels[CH_REF] = self._forward_logprobs(self.actor, samples, mine)
         if self.critic is not None:
             channels[CH_OLD_VALUE] = self._forward_values(self.critic, samples, mine)
-        # 3. advantages (and critic returns) where the loss runs
+        # 3. advantages (and critic returns) where the loss runs; the teacher's reverse KL (a stat) on every rank
+        if self.teacher is not None:
+            rkl_N, mask_N = reverse_kl_tokens(samples, self.teacher.model_path)
+            n_tok = sum(float(m.sum()) for m in mask_N)
+            self._teacher_kl = sum(float(r.sum()) for r in rkl_N) / n_tok if n_tok else float("nan")
         if L.is_last_stage:
             channels[CH_ADV], ret = self._advantages(samples, mine, scores_N, group_index_N, channels)
             if self.critic is not None:

@@ -7,10 +7,9 @@ reward never enters training (it is still computed; validation scores held-out p
 import json
 import os
 import signal
-import time
 
 import pytest
-from conftest import launcher_finish, launcher_spawn
+from conftest import kill_role_at_step, launcher_finish, launcher_spawn
 
 pytestmark = pytest.mark.integration
 
@@ -26,12 +25,7 @@ def test_a_fresh_student_reaches_the_teachers_held_out_accuracy_from_its_logprob
     try:
         # the teacher server killed at step 10: restarted on its port (launcher.max_restarts.teacher); the
         # scorings wait for it (the client's probe takes it back) or fail their group, which is retried
-        deadline = time.monotonic() + 300
-        while not ((run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 10):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 10"
-            time.sleep(0.2)
-        teacher_pid = json.loads((run_dir / "pids.json").read_text())["roles"]["teacher0"]
-        os.kill(teacher_pid, signal.SIGKILL)
+        kill_role_at_step(proc, run_dir, "teacher0", 10)
         rc, out = launcher_finish(proc, timeout=600)
     finally:
         if proc.poll() is None:

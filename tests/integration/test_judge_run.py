@@ -7,10 +7,9 @@ JudgeClient (examples/judge_reward/compute_score.py). The task's rule reward is 
 import json
 import os
 import signal
-import time
 
 import pytest
-from conftest import launcher_finish, launcher_spawn
+from conftest import kill_role_at_step, launcher_finish, launcher_spawn
 
 pytestmark = pytest.mark.integration
 
@@ -27,12 +26,7 @@ def test_the_policy_learns_the_demo_from_the_judges_grades_alone(tmp_path, demo_
     try:
         # the judge server killed at step 10: restarted on its port (launcher.max_restarts.judge); its
         # gradings wait for it (the client's probe takes it back) instead of failing
-        deadline = time.monotonic() + 300
-        while not ((run_dir / "metrics.jsonl").exists() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 10):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 10"
-            time.sleep(0.2)
-        judge_pid = json.loads((run_dir / "pids.json").read_text())["roles"]["judge0"]
-        os.kill(judge_pid, signal.SIGKILL)
+        kill_role_at_step(proc, run_dir, "judge0", 10)
         rc, out = launcher_finish(proc, timeout=600)
     finally:
         if proc.poll() is None:

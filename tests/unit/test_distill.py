@@ -11,7 +11,7 @@ import pytest
 
 from areal_like.api.config import ConfigError, TeacherConfig, load_config
 from areal_like.api.trajectory import Trajectory, TrajectoryGroup
-from areal_like.learner.trainer import Trainer
+from areal_like.learner.trainer import Trainer, reverse_kl_tokens
 
 ALLOC = "allocation=embedded[rollout]:d1+fsdp[actor]:d1+embedded[teacher]:d1"
 
@@ -33,7 +33,8 @@ def _advantages(samples, group_index, teacher: TeacherConfig, reward_adv: float 
     fake = types.SimpleNamespace(teacher=teacher, _reward_advantages=reward_advantages)
     adv, _ = Trainer._advantages(fake, samples, list(range(len(samples))), np.zeros(len(samples)),
                                  np.asarray(group_index), {})
-    return adv, fake._teacher_kl
+    rkl, mask = reverse_kl_tokens(samples, teacher.model_path)  # the step's teacher_kl stat
+    return adv, sum(r.sum() for r in rkl) / sum(m.sum() for m in mask)
 
 
 def test_the_advantage_is_minus_the_per_token_reverse_kl_and_the_reward_enters_by_its_weight():
