@@ -13,11 +13,8 @@ pair, and the build records that accuracy in `judge_train.json` beside the weigh
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import string
-import sys
 
 from areal_like.data.tiny_model import CHARSET
 
@@ -81,22 +78,10 @@ def judge_accuracy(model_dir: str) -> float:
 
 
 def ensure_demo_judge(model_dir: str, *, log=None) -> str:
-    """The trained demo judge in `model_dir` unless it has one (~15 s on 2 cores). Built in a temporary
-    directory and renamed, so two launchers racing on first use never load a half-trained judge."""
-    from areal_like.data.sft import supervised_finetune
-    from areal_like.data.tiny_model import ensure_tiny_model
+    """The trained demo judge in `model_dir` unless it has one (~15 s on 2 cores; data/sft.py
+    `ensure_trained_demo_model`), its grading accuracy in `judge_train.json`."""
+    from areal_like.data.sft import ensure_trained_demo_model
 
-    if os.path.exists(os.path.join(model_dir, "config.json")):
-        return model_dir
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    log(f"building the demo judge in {model_dir} (once; ~15 s on 2 cores): {JUDGE_TRAIN}")
-
-    def train(tmp: str) -> None:
-        stats = supervised_finetune(tmp, _example, seed=JUDGE_SEED, log=log, what="demo judge", **JUDGE_TRAIN)
-        accuracy = judge_accuracy(tmp)
-        log(f"demo judge: grading accuracy {accuracy:.3f} on every (last digit, response) pair")
-        with open(os.path.join(tmp, "judge_train.json"), "w") as f:
-            json.dump({"version": JUDGE_VERSION, "seed": JUDGE_SEED, "template": JUDGE_TEMPLATE, **JUDGE_TRAIN,
-                       **stats, "accuracy": accuracy}, f, indent=1)
-
-    return ensure_tiny_model(model_dir, seed=JUDGE_SEED, then=train)
+    return ensure_trained_demo_model(model_dir, _example, seed=JUDGE_SEED, train=JUDGE_TRAIN, accuracy=judge_accuracy,
+                                     record="judge_train.json", what="demo judge", version=JUDGE_VERSION,
+                                     extra={"template": JUDGE_TEMPLATE}, log=log)

@@ -10,11 +10,8 @@ build records that accuracy in `teacher_train.json` beside the weights.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import string
-import sys
 
 DIGITS = string.digits
 
@@ -55,22 +52,10 @@ def teacher_accuracy(model_dir: str) -> float:
 
 
 def ensure_demo_teacher(model_dir: str, *, log=None) -> str:
-    """The trained demo teacher in `model_dir` unless it has one (~5 s on 2 cores), built in a temporary
-    directory and renamed (two launchers racing on first use never load a half-trained teacher)."""
-    from areal_like.data.sft import supervised_finetune
-    from areal_like.data.tiny_model import ensure_tiny_model
+    """The trained demo teacher in `model_dir` unless it has one (~5 s on 2 cores; data/sft.py
+    `ensure_trained_demo_model`), its next-digit accuracy in `teacher_train.json`."""
+    from areal_like.data.sft import ensure_trained_demo_model
 
-    if os.path.exists(os.path.join(model_dir, "config.json")):
-        return model_dir
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    log(f"building the demo teacher in {model_dir} (once; ~5 s on 2 cores): {TEACHER_TRAIN}")
-
-    def train(tmp: str) -> None:
-        stats = supervised_finetune(tmp, _example, seed=TEACHER_SEED, log=log, what="demo teacher", **TEACHER_TRAIN)
-        accuracy = teacher_accuracy(tmp)
-        log(f"demo teacher: next-digit accuracy {accuracy:.3f} (most likely next token, 100 prompts)")
-        with open(os.path.join(tmp, "teacher_train.json"), "w") as f:
-            json.dump({"version": TEACHER_VERSION, "seed": TEACHER_SEED, **TEACHER_TRAIN, **stats,
-                       "accuracy": accuracy}, f, indent=1)
-
-    return ensure_tiny_model(model_dir, seed=TEACHER_SEED, then=train)
+    return ensure_trained_demo_model(model_dir, _example, seed=TEACHER_SEED, train=TEACHER_TRAIN,
+                                     accuracy=teacher_accuracy, record="teacher_train.json", what="demo teacher",
+                                     version=TEACHER_VERSION, log=log)

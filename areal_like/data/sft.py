@@ -1,6 +1,6 @@
 """Supervised fine-tuning of a tiny demo model in place (plain torch, CPU): the recipe behind the demo
-models that start trained — the agentic demo's warm start (agent_task.py) and the demo judge
-(demo_judge.py). Cross-entropy on the tokens whose loss mask is 1 only."""
+models that start trained — the agentic demo's warm start (agent_task.py), the demo judge
+(demo_judge.py) and the demo teacher (demo_teacher.py). Cross-entropy on the tokens whose loss mask is 1 only."""
 
 from __future__ import annotations
 
@@ -56,3 +56,32 @@ def supervised_finetune(model_dir: str, example: Callable[[Any, random.Random], 
             log(f"{what}: step {step + 1}/{steps} loss {loss_val:.4f} ({time.monotonic() - t0:.0f}s)")
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"steps": steps, "loss": loss_val, "seconds": time.monotonic() - t0}
+
+
+def ensure_trained_demo_model(model_dir: str, example: Callable[[Any, random.Random], tuple[list[int], list[int]]], *,
+                              seed: int, train: dict, accuracy: Callable[[str], float], record: str, what: str,
+                              version: int, extra: dict | None = None, log: Callable[[str], None] | None = None) -> str:
+    """The demo's tiny model (random init, `seed`) after `supervised_finetune` on `example` with `train`, in
+    `model_dir` unless it has one: built in a temporary directory and renamed (two launchers racing on first use
+    never load a half-trained model). What it learned is checked, not assumed: `accuracy(dir)` is logged and
+    recorded in `record` (JSON, beside the weights) with the recipe (`version`, `seed`, `train`, `extra`)."""
+    import json
+    import os
+
+    from areal_like.data.tiny_model import ensure_tiny_model
+
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        return model_dir
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log(f"building the {what} in {model_dir} (once): {train}")
+
+    def build(tmp: str) -> None:
+        stats = supervised_finetune(tmp, example, seed=seed, log=log, what=what, **train)
+        acc = accuracy(tmp)
+        log(f"{what}: accuracy {acc:.3f}")
+        with open(os.path.join(tmp, record), "w") as f:
+            json.dump({"version": version, "seed": seed, **(extra or {}), **train, **stats, "accuracy": acc}, f,
+                      indent=1)
+
+    return ensure_tiny_model(model_dir, seed=seed, then=build)
+

@@ -365,16 +365,18 @@ class Trainer:
         return stacked[0], stacked[1], stacked[2]
 
     def _advantages(self, samples: list[Trajectory], mine: list[int], scores_N: np.ndarray,
-                    group_index_N: np.ndarray, channels: dict[int, SampleArrays]
+                    group_index_N: np.ndarray, channels: dict[int, SampleArrays],
+                    opd: tuple[list[np.ndarray], list[np.ndarray]] | None = None
                     ) -> tuple[SampleArrays, SampleArrays]:
         """`_reward_advantages`, and with a teacher (on-policy distillation, teacher.*) each loss token's
         advantage A_t ← reward_weight · A_t − kl_coef · (log π_behav(y_t) − log π_teacher(y_t)): the per-token
-        reverse KL of the sampled token (slime's OPD), from the behaviour logprobs the servers returned."""
+        reverse KL of the sampled token (slime's OPD), from the behaviour logprobs the servers returned; `opd`:
+        `reverse_kl_tokens(samples)` when the step computed it already."""
         adv, returns = self._reward_advantages(samples, mine, scores_N, group_index_N, channels)
         t = self.teacher
         if t is None:
             return adv, returns
-        rkl_N, mask_N = reverse_kl_tokens(samples, t.model_path)
+        rkl_N, mask_N = opd if opd is not None else reverse_kl_tokens(samples, t.model_path)
         sums = np.array([r.sum() for r in rkl_N], dtype=np.float64)
         counts = np.array([m.sum() for m in mask_N], dtype=np.float64)
         base = np.zeros(len(samples), dtype=np.float64)
@@ -678,12 +680,13 @@ class Trainer:
         if self.critic is not None:
             channels[CH_OLD_VALUE] = self._forward_values(self.critic, samples, mine)
         # 3. advantages (and critic returns) where the loss runs; the teacher's reverse KL (a stat) on every rank
+        opd = None
         if self.teacher is not None:
-            rkl_N, mask_N = reverse_kl_tokens(samples, self.teacher.model_path)
+            opd = rkl_N, mask_N = reverse_kl_tokens(samples, self.teacher.model_path)
             n_tok = sum(float(m.sum()) for m in mask_N)
             self._teacher_kl = sum(float(r.sum()) for r in rkl_N) / n_tok if n_tok else float("nan")
         if L.is_last_stage:
-            channels[CH_ADV], ret = self._advantages(samples, mine, scores_N, group_index_N, channels)
+            channels[CH_ADV], ret = self._advantages(samples, mine, scores_N, group_index_N, channels, opd)
             if self.critic is not None:
                 channels[CH_RETURN] = ret
         # 4. the PPO update: epochs × minibatches optimizer steps

@@ -9,8 +9,9 @@ Prometheus — ~0.4 s) at every start.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from areal_like._lazy import lazy_exports
 
 _EXPORTS = {
     "BUILTIN_REWARDS": "builtin", "default_compute_score": "builtin", "exact_match_score": "builtin",
@@ -37,14 +38,4 @@ if TYPE_CHECKING:
     from areal_like.reward.qa import qa_em_score, qa_f1_score, search_r1_score
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'areal_like.reward' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"areal_like.reward.{module}"), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

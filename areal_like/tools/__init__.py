@@ -10,8 +10,9 @@ and imports `areal_like.tools.sandbox` alone (standard library only), without Pr
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from areal_like._lazy import lazy_exports
 
 _EXPORTS = {
     "Tool": "base", "ToolResult": "base", "ToolSet": "toolset",
@@ -26,14 +27,4 @@ if TYPE_CHECKING:
     from areal_like.tools.sandbox import SandboxResult, run_python, run_python_sync
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'areal_like.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"areal_like.tools.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -13,8 +13,9 @@ learner's dependencies (aiohttp, Prometheus) for it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from areal_like._lazy import lazy_exports
 
 _EXPORTS = {
     "AdapterTensorPusher": "adapter_tensors", "MEMORY_TAGS": "control", "GenerationControl": "control",
@@ -40,14 +41,4 @@ if TYPE_CHECKING:
     from areal_like.weights.shm import SharedMemoryWeightPusher
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'areal_like.weights' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"areal_like.weights.{module}"), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -26,9 +26,7 @@ mismatched adapter is refused on the server, naming the tensors.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
-import pickle
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +37,7 @@ from areal_like import metrics
 from areal_like.api.step_stats import PushResult
 from areal_like.weights.adapter import ADAPTER_NAME, adapter_file_tensors, is_adapter
 from areal_like.weights.admin import ServerAdmin, WeightPushError
+from areal_like.weights.by_value import serialize_tensors
 from areal_like.weights.receive import parse_dtype
 
 ROUTE = "/load_lora_adapter_from_tensors"
@@ -50,11 +49,8 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 def serialize_adapter(tensors: dict[str, torch.Tensor]) -> str:
-    """The base64 text of one `serialized_named_tensors` entry: the tensors pickled by value. A pickled
-    tensor carries its whole storage, so a view into a larger buffer is copied out first."""
-    own = {n: t if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-           else t.clone() for n, t in tensors.items()}
-    return base64.b64encode(pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+    """The base64 text of one `serialized_named_tensors` entry: the adapter's tensors by value (by_value.py)."""
+    return serialize_tensors(tensors)
 
 
 class AdapterTensorPusher(ServerAdmin):

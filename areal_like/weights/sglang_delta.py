@@ -45,15 +45,14 @@ the launcher puts on its PYTHONPATH, and needs none of the learner's dependencie
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import pickle
 from collections.abc import Sequence
 
 import torch
 
 from areal_like.weights import delta as deltas_
+from areal_like.weights.by_value import serialize_tensors
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +76,8 @@ def path_named_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
-    """One `serialized_named_tensors` entry: base64 of a plain pickle, each tensor by value (a view into a
-    larger buffer would carry its whole storage, so it is copied out first)."""
-    own = [(n, t if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-            else t.clone()) for n, t in named]
-    return base64.b64encode(pickle.dumps(own, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+    """One `serialized_named_tensors` entry: the (header, bucket) pairs by value (by_value.py)."""
+    return serialize_tensors(named)
 
 
 # --------------------------------------------------------------------------------------- receiver
