@@ -496,15 +496,24 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
                 for k, v in parts.items():
                     d.add(k, v)
                 d.kv_cache_tokens = kv_tokens
+    critic_pool = any(c.spec.role == "critic" for c in placement.training)
     for comp in placement.training:
         t = comp.spec
+        pool = t.role == "critic"  # a critic on a pool of its own: its ranks hold the value model alone
+        # the actor's ranks hold the critic only when no critic component trains it
+        s_comp = replace(settings, critic=True, reference=False) if pool else replace(
+            settings, critic=settings.critic and not critic_pool)
         for r in comp.ranks:
             d = dev(r.node, r.device)
-            d.roles.append(f"learner rank {r.rank} (dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank})")
-            for k, v in learner_parts(shape, settings, pp=t.pp, tp=t.tp, stage=r.pp_rank, dp=t.dp).items():
+            d.roles.append(f"{'critic' if pool else 'learner'} rank {r.rank} (dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank})")
+            parts = learner_parts(shape, s_comp, pp=t.pp, tp=t.tp, stage=r.pp_rank, dp=t.dp)
+            if pool:  # the value model's body activations, no actor state and no logits
+                parts = {k: (v if k in ("activations_bytes", "critic_bytes", "runtime_bytes") else 0)
+                         for k, v in parts.items()}
+            for k, v in parts.items():
                 d.add(k, v)
             for on in (False, True):
-                other = learner_parts(shape, replace(settings, checkpointing=on), pp=t.pp, tp=t.tp, stage=r.pp_rank,
+                other = learner_parts(shape, replace(s_comp, checkpointing=on), pp=t.pp, tp=t.tp, stage=r.pp_rank,
                                       dp=t.dp)
                 key = f"activations_{'with' if on else 'without'}_checkpointing_bytes"
                 d.info[key] = d.info.get(key, 0) + other["activations_bytes"]

@@ -61,10 +61,11 @@ def cuda_gpus(nvidia_smi: str | None = None) -> list[Gpu] | None:
 
 
 def uses_cuda(cfg, alloc) -> bool:
-    """Whether the run's roles run on CUDA devices: SGLang servers, or the embedded engine on cuda (the
-    learner then trains on its plan devices too)."""
+    """Whether the run's roles run on CUDA devices: SGLang servers (rollout, judge or teacher), or the embedded
+    engine on cuda (the learner then trains on its plan devices too)."""
     gen = alloc.generation
-    return gen is not None and (gen.backend == "sglang" or cfg.server.device.startswith("cuda"))
+    return gen is not None and (any(c.backend == "sglang" for c in alloc.generation_components)
+                                or cfg.server.device.startswith("cuda"))
 
 
 def check_local_devices(cfg, alloc, gpus: list[Gpu] | None) -> None:
@@ -77,7 +78,7 @@ def check_local_devices(cfg, alloc, gpus: list[Gpu] | None) -> None:
     have = len(gpus) if gpus else 0
     if have >= need:
         return
-    what = ("SGLang servers" if alloc.generation.backend == "sglang"
+    what = ("SGLang servers" if any(c.backend == "sglang" for c in alloc.generation_components)
             else f"server.device={cfg.server.device}")
     if have == 0:
         seen = "nvidia-smi is not on PATH" if gpus is None else "nvidia-smi lists none"

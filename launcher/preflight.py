@@ -94,7 +94,7 @@ def check_rollout_inputs(cfg: ExperimentConfig, log=lambda msg: None) -> None:
     worker imports them. Run after `resolve_and_check` (paths resolved, columns checked); raises
     PreflightError. A failure here used to surface only in the rollout worker, after Redis, the servers
     and the learner had started, and after the launcher restarted the worker in vain."""
-    from areal_like.data.dataset import check_prompt_cells
+    from areal_like.data.dataset import check_prompt_cells, first_model_graded_row
 
     agents: dict[str, str] = {}  # agent_name → where it was first seen ("data.train_files[0]=x row 3")
     for name, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
@@ -111,6 +111,7 @@ def check_rollout_inputs(cfg: ExperimentConfig, log=lambda msg: None) -> None:
                                                   if name == "data.val_files" else ""))
             for a, row in names.items():
                 agents.setdefault(a, f"{where} row {row}")
+            _check_model_graded(cfg, where, first_model_graded_row(path))
     tools = None
     if cfg.rollout.tools_config:
         from areal_like.tools.config import load_tools
@@ -137,3 +138,23 @@ def check_rollout_inputs(cfg: ExperimentConfig, log=lambda msg: None) -> None:
             raise PreflightError(msg) from None
         if wf.obj is tool_agent and tools is None:
             raise PreflightError(f"{where}={name!r} needs tools: set rollout.tools_config=path/to/tools.yaml")
+
+
+def _check_model_graded(cfg: ExperimentConfig, where: str, row: int | None) -> None:
+    """Rows a reward model grades (verl's `reward_model.style: model`, often without a reference answer) need one:
+    a judge component whose grade alone is the reward (judge.rule_weight=0), or the user's own reward function
+    (which may call the judge itself). The built-in rule would score them against an empty reference — a
+    silent 0 for every sample."""
+    if row is None or cfg.custom_reward_function.path is not None:
+        return
+    j = cfg.judge
+    if not j.model_path:
+        raise PreflightError(f"{where} row {row} has reward_model.style=model (graded by a reward model) but the run has "
+                             "no judge: add a judge component, e.g. --allocation "
+                             "'embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1' with judge.model_path=<judge "
+                             "model> and judge.rule_weight=0, or a custom_reward_function.path that grades such rows")
+    if j.rule_weight != 0 or j.weight == 0:
+        raise PreflightError(f"{where} row {row} has reward_model.style=model (graded by a reward model) but "
+                             f"judge.rule_weight={j.rule_weight:g} and judge.weight={j.weight:g} score it with the "
+                             "built-in rule, against its reference answer: set judge.rule_weight=0 and judge.weight > 0 "
+                             "(e.g. 1), or a custom_reward_function.path that grades such rows")

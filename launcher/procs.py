@@ -110,8 +110,9 @@ class ProcessTable:
 
     # ---- CPU pinning (launcher.cpu_affinity) --------------------------------------------------------
     def cpus(self, name: str) -> set[int] | None:
-        """The CPUs role `name` is pinned to (by its kind: server, learner, rollout, redis), or None."""
-        kind = role_kind(name)
+        """The CPUs role `name` is pinned to (by its kind: server, learner, rollout, redis; a critic pool's
+        ranks are learner ranks), or None."""
+        kind = {"critic": "learner"}.get(role_kind(name), role_kind(name))
         return self.cpu_affinity.get(kind) if kind else None
 
     def start(self, name: str, argv: list[str], env: dict[str, str], *, critical: bool = True) -> Role:
@@ -233,6 +234,11 @@ def learner_role(rank: int) -> str:
     return "learner" if rank == 0 else f"learner{rank}"
 
 
+def critic_role(rank: int) -> str:
+    """The role name of rank `rank` of a critic pool (a critic component): "critic", "critic<r>"."""
+    return "critic" if rank == 0 else f"critic{rank}"
+
+
 def role_devices(plan, name: str) -> tuple[int, ...]:
     """The plan's devices of a role: `server<i>` → its server's, `judge<i>` / `teacher<i>` → that component's
     server i's, `learner`/`learner<r>` → rank r's."""
@@ -250,6 +256,10 @@ def role_devices(plan, name: str) -> tuple[int, ...]:
         r = int(name.removeprefix("learner") or 0)
         ranks = plan.ranks
         return (ranks[r].device,) if r < len(ranks) else ()
+    if name.startswith("critic"):  # `critic<r>`: rank r of the critic component
+        r = int(name.removeprefix("critic") or 0)
+        comp = next((c for c in plan.training if c.spec.role == "critic"), None)
+        return (comp.ranks[r].device,) if comp is not None and r < len(comp.ranks) else ()
     return ()
 
 
@@ -262,8 +272,8 @@ _PIN = "import os,sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].spli
 
 def role_kind(name: str) -> str | None:
     """"server0" → "server", "learner"/"learner3" → "learner", "rollout1" → "rollout", "judge0" → "judge",
-    "teacher0" → "teacher", "redis" → "redis"."""
-    for kind in ("server", "learner", "rollout", "judge", "teacher", "redis"):
+    "teacher0" → "teacher", "critic"/"critic1" → "critic" (a critic pool's ranks), "redis" → "redis"."""
+    for kind in ("server", "learner", "rollout", "judge", "teacher", "critic", "redis"):
         if name.startswith(kind) and name[len(kind):].isdigit() or name == kind:
             return kind
     return None

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from launcher.procs import ProcessTable, Role, learner_role
+from launcher.procs import ProcessTable, Role, critic_role, learner_role
 
 RAY_NAMESPACE = "areal_like"
 
@@ -304,6 +304,14 @@ class RayProcessTable(ProcessTable):
                     add(f"{g.spec.role}{sp.index}", sp.nodes[0], tuple(sp.devices))
         for r in self.plan.ranks:
             add(learner_role(r.rank), r.node, (r.device,))
+        for c in self.plan.training:  # a critic pool's ranks (critic<r>)
+            if c.spec.role == "critic":
+                for r in c.ranks:
+                    if any(r.device in s.devices for s in per_node.get(r.node, [])):
+                        raise RayBackendError(f"critic component {c.spec.name!r} is co-located (`|`) with the actor: "
+                                              "under --backend ray each device is one role's bundle; write the "
+                                              f"critic as a pool of its own (`+{c.spec.backend}[{c.spec.name}]:…`)")
+                    add(critic_role(r.rank), r.node, (r.device,))
         servers = self.plan.servers
         for k in range(n_rollouts):
             add(f"rollout{k}", servers[k % len(servers)].nodes[0] if servers else 0, ())

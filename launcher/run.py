@@ -111,19 +111,22 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
             "training part, e.g. --allocation embedded.d1p1t1+d1p1t1"
         )
     aux = [c for c in (aux_component(alloc, r) for r in AUX_ROLES) if c is not None]
-    extra = [c for c in alloc.components if c is not gen and c is not train and c not in aux]
+    critic = critic_component(alloc)
+    extra = [c for c in alloc.components if c is not gen and c is not train and c not in aux and c is not critic]
     if extra:
         names = ", ".join(f"{c.backend}[{c.name}] (role {c.role})" for c in extra)
         raise RunError(
             f"allocation {cfg.allocation!r} names components `launcher run` does not start yet: {names}. A run "
-            f"starts one rollout pool ({gen.backend}[{gen.name}]), one actor pool ({train.backend}[{train.name}]) "
-            "and at most one judge pool (embedded[judge]:dN) and one teacher pool (embedded[teacher]:dN); the critic "
-            "trains inside the actor's ranks "
-            "(algorithm.adv_estimator=gae) and the reference model inside the actor's process: remove the other "
+            f"starts one rollout pool ({gen.backend}[{gen.name}]), one actor pool ({train.backend}[{train.name}]), "
+            "at most one critic pool (fsdp[critic]:dN, algorithm.adv_estimator=gae; without it the critic trains "
+            "inside the actor's ranks), one judge pool (embedded[judge]:dN) and one teacher pool "
+            "(embedded[teacher]:dN); the reference model runs inside the actor's process: remove the other "
             "components from --allocation"
         )
     for c in aux:
         _check_aux(cfg, alloc, c)
+    if critic is not None:
+        _check_critic(cfg, alloc, critic)
     from allocation import AllocationError
 
     try:
@@ -157,17 +160,44 @@ def aux_component(alloc, role: str):
 
 
 def _check_aux(cfg, alloc, comp) -> None:
-    """A judge or teacher pool runs the embedded engine (one device per server), on devices of its own."""
-    if comp.backend != "embedded":
+    """A judge or teacher pool runs the embedded engine (one device per server) or SGLang (GPUs), on devices of
+    its own."""
+    if comp.backend not in ("embedded", "sglang"):
         raise RunError(f"{comp.backend}[{comp.name}]: `launcher run` starts {comp.role} servers of the embedded engine "
-                       f"(same HTTP protocol, CPU or GPU); SGLang {comp.role} servers are not started yet: use "
-                       f"embedded[{comp.name}]:d{comp.dp}")
-    if comp.tp * comp.pp != 1:
+                       f"(CPU or GPU) or of SGLang (GPU): use embedded[{comp.name}]:d{comp.dp} or "
+                       f"sglang[{comp.name}]:d{comp.dp}")
+    if comp.backend == "sglang":
+        from areal_like.engine.sglang_args import SGLangNotInstalled, require_sglang
+
+        try:
+            require_sglang(cfg.server.python)
+        except SGLangNotInstalled as e:
+            raise RunError(str(e)) from None
+    elif comp.tp * comp.pp != 1:
         raise RunError(f"the embedded engine runs one device per server; the {comp.role} has t={comp.tp} p={comp.pp}: "
                        f"use embedded[{comp.name}]:d{comp.dp}")
     if any(comp in group and len(group) > 1 for group in alloc.groups):
         raise RunError(f"{comp.role} component {comp.name!r} is co-located (`|`) with another component: a "
                        f"{comp.role}'s servers keep their devices for the run; write it as a pool of its own (`+`)")
+
+
+def critic_component(alloc):
+    """The allocation's critic component (a critic on a pool of its own), or None."""
+    return next((c for c in alloc.training_components if c.role == "critic"), None)
+
+
+def _check_critic(cfg, alloc, comp) -> None:
+    """A critic pool: a learner pool of its own (fsdp or megatron, no cp), beside a disaggregated generation part."""
+    if comp.backend not in ("fsdp", "megatron"):
+        raise RunError(f"{comp.backend}[{comp.name}]: a critic pool runs the learner's trainer; use "
+                       f"fsdp[{comp.name}]:d{comp.dp} (or megatron[{comp.name}]:…)")
+    if getattr(comp, "cp", 1) > 1:
+        raise RunError(f"context parallel (c={comp.cp}) is not implemented by the learner pool: drop the c dimension "
+                       f"of {comp.backend}[{comp.name}]")
+    if alloc.colocated:
+        raise RunError(f"critic component {comp.name!r} with a co-located generation part (`<generation>|<training>`): "
+                       "the servers hand their devices to the actor's pool alone; write the generation part as a pool "
+                       "of its own (`+`), or drop the critic component (the critic then trains inside the actor's ranks)")
 
 
 def _wait_health(url: str, timeout_s: float, role, what: str) -> None:
@@ -298,7 +328,7 @@ def _check_devices(cfg, alloc) -> None:
                 raise DeviceCheckError(why)
         elif uses_cuda(cfg, alloc):
             check_local_devices(cfg, alloc, cuda_gpus())
-        if alloc.generation.backend == "sglang":
+        if any(c.backend == "sglang" for c in alloc.generation_components):
             check_torch_pairing(_server_python(cfg))
     except DeviceCheckError as e:
         raise RunError(str(e)) from None
@@ -426,7 +456,9 @@ class Run:
         rc = self.cfg.launcher.ray
         log = lambda msg: print(f"[launcher] {msg}", flush=True)  # noqa: E731
         try:
+            critic = critic_component(self.alloc)
             roles = (self.n_servers + self.alloc.training.world_size + self.cfg.rollout.workers
+                     + (critic.world_size if critic is not None else 0)
                      + sum(c.num_servers for c in (aux_component(self.alloc, r) for r in AUX_ROLES) if c is not None))
             connect(rc.address, devices_needed=self.alloc.total_devices, roles_needed=roles,
                               device_resource=rc.device_resource,
@@ -648,16 +680,63 @@ class Run:
         out: dict[str, list] = {}
         for r in AUX_ROLES:
             comp = aux_component(self.alloc, r)
-            if comp is not None:
-                path = getattr(self.cfg, r).model_path
+            if comp is None:
+                continue
+            path = getattr(self.cfg, r).model_path
+            if comp.backend == "sglang":
+                out[r] = self._start_sglang_aux(comp, path, env)
+            else:
                 out[r] = [self._start_embedded_server(f"{r}{i}", path, seed=self.cfg.seed + i, env=env, port=None,
                                                       aux=r) for i in range(comp.num_servers)]
         return out
 
+    def _start_sglang_aux(self, comp, model_path: str, env) -> list:
+        """A judge's or teacher's SGLang servers (`sglang[judge]:d2t2`): `model_path` served as it is — no weight
+        group, no LoRA, no delta loader (nothing is ever pushed to them), SGLang's own dtype for the model; the
+        keys in a 0600 `--config` file of their own, as the rollout servers'. → [(url, role)]."""
+        from areal_like.engine.sglang_args import SGLangArgsError, SGLangNotInstalled, build_sglang_servers, sglang_server_flags
+
+        cfg, r = self.cfg, comp.role
+        names = [f"{r}{i}" for i in range(comp.num_servers)]
+        ray = self.procs.backend == "ray"
+        node_hosts = [reach_host(cfg.server.host)] * self.plan.nodes
+        if ray:
+            by_node = {self.procs.placement(n)["node"]: self.procs.host(n) for n in names}
+            node_hosts = [by_node.get(k, "127.0.0.1") for k in range(self.plan.nodes)]
+        try:
+            servers = build_sglang_servers(
+                self.plan, component=comp.name, model_path=model_path, ports=[self.procs.free_port(n) for n in names],
+                seeds=cfg.seed, api_key=cfg.server.api_key, host=None if ray else cfg.server.host,
+                node_hosts=node_hosts, supported_flags=sglang_server_flags(cfg.server.python),
+                enable_metrics=cfg.metrics.prometheus, python=_server_python(cfg), weight_update=None,
+                mem_fraction_static=cfg.server.mem_fraction_static,
+                # a judge reads its grading prompts (judge.max_context_len); a teacher scores the policy's sequences
+                extra_args=["--context-length", str(cfg.judge.max_context_len if r == "judge"
+                                                    else cfg.resolved_max_context_len())],
+                secrets_file=os.path.join(self.run_dir, f"sglang-secrets-{r}.yaml"))
+        except (SGLangArgsError, SGLangNotInstalled) as e:
+            raise RunError(f"{comp.backend}[{comp.name}]: {e}") from None
+        out = []
+        for srv, name in zip(servers, names):
+            if srv.nnodes > 1:
+                raise RunError(f"{r} server {srv.index} spans {srv.nnodes} nodes: a server's t×p devices must fit on "
+                               "one node")
+            (proc,) = srv.processes
+            argv = list(proc.argv)
+            if ray:  # its CUDA_VISIBLE_DEVICES holds exactly its devices: they start at 0
+                argv[argv.index("--base-gpu-id") + 1] = "0"
+            proc.write_secrets()
+            out.append((srv.url, self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)})))
+        return out
+
     def _wait_aux(self, started: dict[str, list]) -> dict[str, list[str]]:
         for r, servers in started.items():
+            comp = aux_component(self.alloc, r)
+            # SGLang: model load and CUDA-graph capture take minutes on real models (as the rollout servers)
+            timeout = self.cfg.server.health_timeout_s if comp.backend != "sglang" else max(
+                self.cfg.server.health_timeout_s, 900.0)
             for i, (url, role) in enumerate(servers):
-                _wait_health(url, self.cfg.server.health_timeout_s, role, f"{r} server {i}")
+                _wait_health(url, timeout, role, f"{r} server {i}")
             print(f"[launcher] {len(servers)} {r} server(s) healthy ({getattr(self.cfg, r).model_path}): "
                   f"{' '.join(u for u, _ in servers)}", flush=True)
         return {r: [u for u, _ in servers] for r, servers in started.items()}
@@ -826,6 +905,7 @@ class Run:
         env.update({"WORLD_SIZE": str(world), "MASTER_ADDR": self.procs.host("learner"),
                     "MASTER_PORT": str(self.procs.free_port("learner"))})
         weight_port = self.procs.free_port("learner")
+        critic_link = self._start_critic_pool(incarnation)  # its rank 0's address, for learner rank 0
         on_node: dict[int, int] = {}
         for rank in range(world):
             name = learner_role(rank)
@@ -834,17 +914,43 @@ class Run:
                     "--device", self._learner_device, "--launch", self._launch]
             if rank == 0 and self._learner_metrics_port:
                 argv += ["--metrics-port", str(self._learner_metrics_port)]
+            if rank == 0 and critic_link:
+                argv += ["--critic-link", critic_link]
             node = self.procs.placement(name).get("node", 0)
             local_rank = on_node[node] = on_node.get(node, -1) + 1  # rank among the learner ranks of its node
             self.procs.start(name, argv, {**env, **(sender_env if rank == 0 else {}), **self._role_env(name),
                                           "RANK": str(rank), "LOCAL_RANK": str(local_rank)})
         self._incarnation = incarnation
 
+    def _start_critic_pool(self, incarnation: int) -> str | None:
+        """A critic component's pool (learner/critic_pool.py): its own torch.distributed world, rank 0 hosting
+        the store the actor's rank 0 reaches it through. Returns that address (HOST:PORT), or None."""
+        comp = critic_component(self.alloc)
+        if comp is None:
+            return None
+        from launcher.procs import critic_role
+
+        host = self.procs.host(critic_role(0))
+        env = {**self._learner_env, "WORLD_SIZE": str(comp.world_size), "MASTER_ADDR": host,
+               "MASTER_PORT": str(self.procs.free_port(critic_role(0)))}
+        link_port = self.procs.free_port(critic_role(0))
+        on_node: dict[int, int] = {}
+        for rank in range(comp.world_size):
+            name = critic_role(rank)
+            node = self.procs.placement(name).get("node", 0)
+            local_rank = on_node[node] = on_node.get(node, -1) + 1
+            self.procs.start(name, [sys.executable, "-m", "areal_like.learner.critic_pool", "--run-dir", self.run_dir,
+                                    "--incarnation", str(incarnation), "--link-port", str(link_port),
+                                    "--device", self._learner_device],
+                             {**env, **self._role_env(name), "RANK": str(rank), "LOCAL_RANK": str(local_rank)})
+        return f"{host}:{link_port}"
+
     def _restart_learners(self, dead: Role) -> None:
         self._incarnation += 1
-        self._record_restart("learner", dead, "restarting the learner pool from its latest checkpoint")
+        self._record_restart("learner", dead, "restarting the learner pool" + (" and the critic pool" if critic_component(
+            self.alloc) else "") + " from its latest checkpoint")
         self._restart_servers_left_in_a_push()
-        for role in [r for r in self.procs.roles if r.name.startswith("learner")]:
+        for role in [r for r in self.procs.roles if role_kind(r.name) in ("learner", "critic")]:
             self.procs.stop(role, timeout_s=10.0)
             self.procs.forget(role)
         self._start_learners(self._incarnation)
@@ -1032,6 +1138,10 @@ class Run:
         `_IGNORED` (a learner rank that finished with rank 0), or the run's exit code (0: done)."""
         rc = role.proc.returncode
         kind = role_kind(role.name) or "rollout"
+        if kind == "critic":  # a critic pool's rank: one restart unit with the learner pool, one budget
+            if rc == 0:
+                return _IGNORED  # told to stop by learner rank 0, which ends the run
+            kind = "learner"
         if kind == "learner":
             if role.name != "learner" and rc == 0:
                 return _IGNORED  # a non-zero rank finished with rank 0; rank 0's exit ends the run

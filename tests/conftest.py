@@ -232,6 +232,22 @@ def kill_role_at_step(proc, run_dir, role: str, step: int, timeout: float = 300)
     os.kill(json.loads((run_dir / "pids.json").read_text())["roles"][role], signal.SIGKILL)
 
 
+def launcher_run_killing(role: str, step: int, run_dir, *argv: str, timeout: float = 600) -> tuple[int, str]:
+    """`launcher run --run-dir run_dir <argv…>` to the end, with `role` SIGKILLed once `step` rows are written
+    (`kill_role_at_step`) → (exit code, output). The launcher's session is killed if the test fails first."""
+    import os
+    import signal
+
+    proc = launcher_spawn("run", "--run-dir", str(run_dir), *argv)
+    try:
+        kill_role_at_step(proc, run_dir, role, step)
+        return launcher_finish(proc, timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def launcher_cli(*argv: str, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
     """`launcher <argv…>` to the end → (exit code, output)."""
     return launcher_finish(launcher_spawn(*argv, env=env), timeout)

@@ -561,6 +561,10 @@ class CriticConfig(_Section):
     """`train.param_offload` for the critic (verl's `critic.model.fsdp_config.param_offload`)."""
     optimizer_offload: bool = False
     """`train.optimizer_offload` for the critic (verl's `critic.model.fsdp_config.optimizer_offload`)."""
+    timeout_s: float = 600.0
+    """A critic on its own pool (a `critic` component in `allocation`, e.g. `+fsdp[critic]:d1`): the longest
+    the actor's rank 0 waits for it — to connect, for a step's values, for its training stats, for its
+    checkpoint. Beyond it the learner stops, naming the critic pool, and the launcher restarts both pools."""
 
 
 class RefConfig(_Section):
@@ -1115,6 +1119,25 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"teacher.timeout_s={t.timeout_s}, teacher.max_retries={t.max_retries}: use a positive "
                               f"timeout and ≥ 0 retries")
 
+    def _check_critic_pool(self) -> None:
+        """A critic component (`fsdp[critic]:…` in the allocation: the critic on a pool of its own) needs the
+        estimator that trains a critic, and a pool the learner runs."""
+        from allocation import AllocationError, parse_allocation
+
+        try:
+            comps = [c for c in parse_allocation(self.allocation).training_components if c.role == "critic"]
+        except AllocationError:
+            return
+        if not comps:
+            return
+        c = comps[0]
+        if self.algorithm.adv_estimator != "gae":
+            raise ConfigError(f"allocation {self.allocation!r} has a critic component ({c.backend}[{c.name}]) but "
+                              f"algorithm.adv_estimator={self.algorithm.adv_estimator} trains no critic: set "
+                              f"algorithm.adv_estimator=gae, or remove the critic component")
+        if not (self.critic.timeout_s > 0):
+            raise ConfigError(f"critic.timeout_s={self.critic.timeout_s}: use a positive number of seconds (e.g. 600)")
+
     def _check_lora(self) -> None:
         m = self.model
         if m.lora_rank < 0:
@@ -1284,6 +1307,7 @@ class ExperimentConfig(_Section):
         self._check_learner_side()
         self._check_judge()
         self._check_teacher()
+        self._check_critic_pool()
         mf = self.server.mem_fraction_static
         if mf is not None and not 0.0 < mf < 1.0:
             raise ConfigError(f"server.mem_fraction_static={mf}: use a fraction in (0, 1), e.g. 0.8, or null for SGLang's default")

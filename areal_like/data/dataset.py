@@ -91,6 +91,24 @@ def check_prompt_cells(path: str, *, prompt_key: str = "prompt",
     return table.num_rows, agents
 
 
+MODEL_STYLE = "model"  # verl's reward_model.style of a row a reward model grades (no rule reference needed)
+
+
+def first_model_graded_row(path: str) -> int | None:
+    """The first row of a verl parquet file whose `reward_model.style` is "model" (verl's mark of a row graded
+    by a reward model, whose `ground_truth` may be empty), or None. Reads only that column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.ParquetFile(path).schema_arrow.field("reward_model").type
+    if not (pa.types.is_struct(t) and t.get_field_index("style") >= 0):
+        return None
+    for i, rm in enumerate(pq.read_table(path, columns=["reward_model"]).column("reward_model").to_pylist()):
+        if isinstance(rm, dict) and str(rm.get("style") or "").lower() == MODEL_STYLE:
+            return i
+    return None
+
+
 def check_verl_parquet(path: str, *, prompt_key: str = "prompt", where: str | None = None) -> int:
     """Check a verl parquet file from its footer alone (no rows read): it exists, is parquet, and has
     the prompt column and `reward_model` with a `ground_truth` field. Returns the row count.

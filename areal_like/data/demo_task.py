@@ -76,10 +76,12 @@ def demo_compute_score(solution_str: str, ground_truth: str) -> float:
 
 
 def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: str = "train",
-                    task: str = "next-digit") -> str:
+                    task: str = "next-digit", reference: bool = True) -> str:
     """Write `n_train` examples of demo task `task` as verl-format parquet to `out_path`; returns the path.
 
     Columns: prompt (str), data_source, reward_model {ground_truth, style}, extra_info {index, split}.
+    `reference=False`: the same prompts with no answer (`ground_truth` null, `style` "model": verl's mark of
+    rows a reward model grades) — what a judge grades and no rule can (`demo:next-digit-open`).
     Written to a temporary name and renamed, so a concurrent reader never sees a half-written file.
     """
     import pyarrow as pa
@@ -90,7 +92,8 @@ def build_demo_task(out_path: str, n_train: int = 2048, seed: int = 0, split: st
         {
             "prompt": [p for p, _ in rows],
             "data_source": [DEMO_DATA_SOURCE] * n_train,
-            "reward_model": [{"ground_truth": a, "style": "rule"} for _, a in rows],
+            "reward_model": [{"ground_truth": a, "style": "rule"} if reference else {"ground_truth": None, "style": "model"}
+                             for _, a in rows],
             "extra_info": [{"index": i, "split": split} for i in range(n_train)],
         }
     )
@@ -128,6 +131,8 @@ DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERS
                    "demo:calc-train": "calc-train.parquet", "demo:calc-val": "calc-val.parquet"})
 
 
+# The next-digit prompts with no answers (reward_model.style "model"): a task only a judge can grade.
+DEMO_NAMES.update({"demo:next-digit-open": "next-digit-open-train.parquet"})
 # The demo judge (configs/judge_demo.yaml, data/demo_judge.py): a tiny model trained to grade the next-digit
 # task (its cache name carries the recipe's version).
 DEMO_NAMES.update({"demo:next-digit-judge": "next-digit-judge-v2"})  # v = demo_judge.JUDGE_VERSION
@@ -180,6 +185,8 @@ def resolve_demo_name(name: str, key: str) -> str:
         ensure_tiny_model(path, agent=True)
     elif name in ("demo:next-digit", "demo:first-digit"):
         ensure_demo_assets(None, path, task=name[len("demo:"):])
+    elif name == "demo:next-digit-open" and not os.path.exists(path):
+        build_demo_task(path, reference=False)  # the train file's prompts (same seed), without their answers
     elif name in ("demo:next-digit-val", "demo:first-digit-val"):
         ensure_demo_assets(None, None, val_file=path, task=name[len("demo:"):-len("-val")])
     elif name == "demo:next-digit-judge":

@@ -221,7 +221,7 @@ def build_sglang_servers(
     mem_fraction_static: float | None = None,
     dtype: str | None = None,
     fp32_lm_head: bool = False,
-    weight_update: WeightUpdate = "distributed",
+    weight_update: WeightUpdate | None = "distributed",
     memory_saver: bool = False,
     weight_version: str = "0",
     lora_rank: int = 0,
@@ -231,9 +231,13 @@ def build_sglang_servers(
     python: str = sys.executable,
     supported_flags: Collection[str] | None = None,
     secrets_file: str | None = None,
+    component: str | None = None,
 ) -> list[SGLangServer]:
     """The launch commands of every generation server of ``placement``, in server order.
 
+    ``component``: the generation component whose servers these are (default: the rollout servers); a judge's or
+    a teacher's (`sglang[judge]:…`) serves a fixed model — ``weight_update`` None: no weight group, nothing
+    pushed, so no weight-update constraint applies.
     ``ports[k]``: HTTP port of server k. ``seeds``: one per server, or a base seed (server k gets
     ``seed + k``). ``node_hosts[n]``: the address of node n, used in URLs and ``--dist-init-addr``
     (default ``127.0.0.1``, allowed only while every server is on node 0). ``host``: bind address
@@ -255,12 +259,14 @@ def build_sglang_servers(
     setting to change.
     """
     alloc = placement.allocation
-    gen = alloc.generation
+    gen = alloc.generation if component is None else next(
+        (c for c in alloc.generation_components if c.name == component), None)
     if gen is None:
-        raise SGLangArgsError(f"allocation {alloc} has no generation part: nothing to launch")
+        raise SGLangArgsError(f"allocation {alloc} has no generation part{'' if component is None else ' ' + repr(component)}"
+                              ": nothing to launch")
     if gen.backend != "sglang":
         raise SGLangArgsError(f"generation backend is {gen.backend!r}, not 'sglang': use the {gen.backend} launcher")
-    if weight_update not in ("distributed", "disk", "memory"):
+    if weight_update is not None and weight_update not in ("distributed", "disk", "memory"):
         raise SGLangArgsError(f"weight_update must be 'distributed', 'disk' or 'memory', got {weight_update!r}")
     if gen.pp > 1 and weight_update == "memory":
         raise SGLangArgsError(f"generation {gen} uses pipeline parallelism (p{gen.pp}); the co-located handoff "
@@ -272,7 +278,7 @@ def build_sglang_servers(
             "update_weights_from_distributed does not support pp>1: use tensor parallelism instead "
             f"(e.g. sglang:d{gen.dp}t{gen.tp * gen.pp}) or update weights from disk"
         )
-    servers = placement.servers
+    servers = placement.servers if component is None else placement.component(component).servers
     n = len(servers)
     ports = _per_server("ports", ports, n)
     seed_list = [seeds + k for k in range(n)] if isinstance(seeds, int) else _per_server("seeds", seeds, n)

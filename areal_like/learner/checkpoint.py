@@ -72,6 +72,7 @@ CKPT_FORMAT = 5
 READABLE_FORMATS = (2, 3, 4, 5)
 MODEL_FILE = "model.safetensors"
 CRITIC_FILE = "critic.safetensors"
+CRITIC_POOL_DIR = "critic_pool"  # a critic on its own pool: its checkpoint (same format), inside the actor's
 HF_SHARD_BYTES = 1 << 30  # safetensors file size of checkpoints and train.export_hf (rank 0 holds one at a time)
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -141,6 +142,10 @@ def verify_checkpoint(path: str, rank: int = 0, world: int = 1) -> str | None:
         return f"{META_FILE} is not a JSON object"
     if meta.get("format") not in READABLE_FORMATS:
         return f"format {meta.get('format')}, this build reads {READABLE_FORMATS}"
+    if meta.get("critic_pool"):  # the critic pool's part: a checkpoint of its own, verified the same way
+        err = verify_checkpoint(os.path.join(path, CRITIC_POOL_DIR), rank, world)
+        if err is not None:
+            return f"{CRITIC_POOL_DIR}/: {err}"
     files = meta.get("files")
     if files is None:  # written before the manifest existed
         need = [MODEL_FILE, f"rank{rank:05d}.pt"] + ([CRITIC_FILE] if meta.get("critic") else [])
@@ -195,8 +200,8 @@ def _rank_file(path: str, rank: int) -> str:
 
 def _with_optimizer_state(trainer) -> list[str]:
     """The models whose AdamW state exists (an optimizer that never stepped has none)."""
-    models = [("actor", trainer.actor)] + ([("critic", trainer.critic)] if trainer.critic is not None else [])
-    return [prefix for prefix, m in models if m.optimizer is not None and m.optimizer.state]
+    models = [("actor", trainer.actor), ("critic", trainer.critic)]
+    return [prefix for prefix, m in models if m is not None and m.optimizer is not None and m.optimizer.state]
 
 
 def _optimizer_tensors(trainer, prefixes: list[str], empty: bool) -> dict[str, torch.Tensor]:
@@ -257,15 +262,18 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
     path = os.path.abspath(path)
     tmp = f"{path}.tmp"
     meta = {"format": CKPT_FORMAT, "layout": str(trainer.layout.spec), "step": trainer.step,
-            "optimizer_steps": trainer.actor.optimizer_steps, "version": trainer.version,
+            "optimizer_steps": trainer.optimizer_steps, "version": trainer.version, "role": trainer.role,
             "model_path": trainer.model_path, "critic": trainer.critic is not None, "extra": extra or {},
+            "critic_pool": trainer.critic_pool,
             "model_dtype": str(trainer.dtype).removeprefix("torch."), "master_dtype": trainer.cfg.master_dtype,
             "dp_sharding": trainer.dp_sharding, "optimizer_state": _with_optimizer_state(trainer),
-            **trainer.actor.conversion.records()}
+            **(trainer.actor.conversion.records() if trainer.actor is not None else {})}
     meta_bytes = msgspec.json.encode(meta)  # fails early (before writing) on a non-JSON `extra`
     if trainer.is_rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+        if trainer.critic_pool:  # the critic pool writes its part into ours while we write the actor's
+            trainer.remote_critic.send("save", path=os.path.join(tmp, CRITIC_POOL_DIR))
     trainer.barrier()  # the tmp dir exists
     # Full tensors, streamed from the shards one file at a time (rank 0 writes; the others join the gathers)
     for model, prefix in ((trainer.actor, "model"), (trainer.critic, "critic")):
@@ -278,10 +286,12 @@ def save_checkpoint(trainer, path: str, extra: dict[str, Any] | None = None) -> 
     if trainer.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(trainer.device)
     state = {"format": CKPT_FORMAT, "critic_optimizer_steps": trainer.critic.optimizer_steps if trainer.critic else 0,
-             "rng": rng, "step": trainer.step, "optimizer_steps": trainer.actor.optimizer_steps,
+             "rng": rng, "step": trainer.step, "optimizer_steps": trainer.optimizer_steps,
              "skipped_steps": trainer.skipped_steps, "version": trainer.version}
     torch.save(state, _rank_file(tmp, trainer.layout.rank))
     _write_digest(_rank_file(tmp, trainer.layout.rank))
+    if trainer.is_rank0 and trainer.critic_pool:
+        trainer.remote_critic.recv("saved", timeout_s=trainer.critic_cfg.timeout_s, what=f"write its part of {path}")
     trainer.barrier()  # every rank's file (and its digest) is written
     if trainer.is_rank0:
         publish_checkpoint_dir(tmp, path, meta_bytes, manifest=True)
@@ -313,6 +323,15 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         log.warning("checkpoint %s was written by layout %s (train.dp_sharding=%s); this pool is %s (%s): "
                     "its optimizer state is resharded on load", path, meta["layout"], saved_sharding,
                     trainer.layout.spec, trainer.dp_sharding)
+    if meta.get("role", "actor") != trainer.role:
+        raise ValueError(f"checkpoint {path} is a {meta.get('role', 'actor')} pool's, this pool trains the "
+                         f"{trainer.role}: resume each pool from its own")
+    if bool(meta.get("critic_pool", False)) != trainer.critic_pool:
+        where = ("on a pool of its own (a critic component in the allocation)" if meta.get("critic_pool")
+                 else "inside the actor's ranks, or not at all")
+        raise ValueError(f"checkpoint {path} was written by a run whose critic trained {where}; this run's "
+                         f"{'has' if trainer.critic_pool else 'has no'} critic pool: resume with the allocation "
+                         f"that wrote it, or start a new run (train.resume_mode=disable)")
     has_critic = bool(meta.get("critic", False))
     if has_critic != (trainer.critic is not None):
         raise ValueError(f"checkpoint {path} {'has' if has_critic else 'has no'} critic but this run "
@@ -324,7 +343,8 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         log.warning("checkpoint %s: its master weights and AdamW state are %s; this run keeps them in %s "
                     "(train.master_dtype): converted on load", path,
                     saved_master or "in its model.dtype (written before train.master_dtype)", trainer.cfg.master_dtype)
-    trainer.actor.conversion.check_resume(meta, path)  # the converters' records against this run's
+    if trainer.actor is not None:
+        trainer.actor.conversion.check_resume(meta, path)  # the converters' records against this run's
     # read tensor by tensor on the host (one full tensor in memory at a time), each rank keeping its shard
     for model, prefix in ((trainer.actor, "model"), (trainer.critic, "critic")):
         if model is not None and not model.conversion.load(model, path):  # its converter's format, or the full model
@@ -339,7 +359,8 @@ def load_checkpoint(trainer, path: str) -> dict[str, Any]:
         trainer.actor.load_optimizer_state(state["optimizer"])
         if trainer.critic is not None:
             trainer.critic.load_optimizer_state(state["critic_optimizer"])
-    trainer.actor.optimizer_steps = int(state["optimizer_steps"])
+    if trainer.actor is not None:
+        trainer.actor.optimizer_steps = int(state["optimizer_steps"])
     if trainer.critic is not None:
         trainer.critic.optimizer_steps = int(state["critic_optimizer_steps"])
     torch.set_rng_state(state["rng"]["cpu"].cpu())
@@ -407,6 +428,7 @@ class CheckpointManager:
         self.export_hf = export_hf
         self.export_merged = export_merged  # a converter's own export: also the merged model (hf_merged/)
         self.rollback = False  # set by `resume`
+        self.resumed_from: str | None = None  # set by `resume`
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, *, run_dir: str) -> "CheckpointManager":
@@ -506,6 +528,7 @@ class CheckpointManager:
         first start's, and that start pointed `latest` at it."""
         mode = self.resume_mode if explicit else "auto"
         self.rollback = False
+        self.resumed_from = None  # the checkpoint loaded (a critic pool loads its part of it: learner/main.py)
         rank0 = trainer.is_rank0
         if mode == "disable":
             newer = self._step_names()
@@ -567,7 +590,9 @@ class CheckpointManager:
                 self._point_latest(name)  # a restarted pool resumes from here (or what it saved since)
             trainer.barrier()
         try:
-            return load_checkpoint(trainer, path)
+            extra = load_checkpoint(trainer, path)
+            self.resumed_from = path
+            return extra
         except (CheckpointError, ValueError):  # ValueError: layout/critic mismatch, named already
             raise
         except Exception as e:  # a library error (torch, safetensors): name the checkpoint
@@ -588,7 +613,7 @@ class CheckpointManager:
         save_checkpoint(trainer, path, extra)  # collective; atomic rename inside
         if self.export_hf:
             export_hf(trainer, os.path.join(path, "hf"))
-        if self.export_merged and trainer.actor.conversion.format is not None:
+        if self.export_merged and trainer.actor is not None and trainer.actor.conversion.format is not None:
             export_hf(trainer, os.path.join(path, "hf_merged"), merged=True)
         if trainer.is_rank0:
             tmp = os.path.join(self.root, "latest.tmp")

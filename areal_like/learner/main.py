@@ -8,7 +8,9 @@
     │    ├─ DAPO dynamic sampling: drop groups whose rewards are all equal
     │    └─ each drop credits the gate (same atomic ack) and is replaced by one more read
     ├─ broadcast the groups to every rank (msgpack bytes)
-    ├─ train   (every rank: forward-only passes, advantages, ppo_epochs × ppo_minibatches updates)
+    ├─ train   (every rank: forward-only passes, advantages, ppo_epochs × ppo_minibatches updates; a critic
+    │           on a pool of its own (`fsdp[critic]` in the allocation) is asked for V_old and trains beside
+    │           the actor on the returns: learner/critic_pool.py)
     ├─ collect the validation of the served version, if one is running (servers must not change under
     │  it; evaluation.py); its results go into the metrics row of the step that produced that version
     ├─ push weights to every server (rank 0: pause → buckets → continue)  ← generation waits only here
@@ -72,7 +74,7 @@ _STOP = -(2**62)  # a version no run reaches: rank 0's "stop now" to the other r
 
 
 async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_port: int, device: str,
-              launch: str) -> int:
+              launch: str, critic_link: str | None = None) -> int:
     from areal_like.learner.checkpoint import CheckpointError, CheckpointManager
     from areal_like.learner.parallel import LayoutSpec, broadcast_groups
     from areal_like.learner.parallel.spawn import init_pool_from_env
@@ -103,6 +105,19 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         return 3
     step = last_saved = extra["step"] if extra else 0
     version = extra["version"] if extra else 0
+    if trainer.critic_pool and rank == 0:  # a critic on its own pool: it loads its part of the same checkpoint
+        from areal_like.learner.critic_link import CriticLink
+
+        if not critic_link:
+            log(f"allocation {cfg.allocation!r} has a critic component but no --critic-link was given: start the "
+                "learner with `launcher run`, which starts the critic pool and passes its address")
+            return 2
+        host, _, port = critic_link.rpartition(":")
+        trainer.remote_critic = CriticLink.connect(host, int(port), timeout_s=cfg.critic.timeout_s)
+        trainer.remote_critic.send("start", checkpoint=ckpt.resumed_from)
+        started = trainer.remote_critic.recv("started", timeout_s=cfg.critic.timeout_s, what="load its checkpoint")
+        log(f"critic pool at {trainer.remote_critic.address}: at step {started['step']}"
+            + (f" (checkpoint {ckpt.resumed_from})" if ckpt.resumed_from else " (fresh)"))
     if rank == 0:
         # The launcher started this pool while the servers load; their endpoints come once they are healthy.
         endpoints = Endpoints.wait(run_dir, launch, max(cfg.server.health_timeout_s, 900.0) + 60.0)
@@ -181,6 +196,8 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
         checkpoint_and_commit()
     # Every rank through with the pool (collectives, rank 0's store) before any leaves (exit_rank); before
     # rank 0 closes its trackers, which may take longer than a collective timeout.
+    if trainer.remote_critic is not None:  # the critic pool leaves with us (no answer: its store goes with it)
+        trainer.remote_critic.send("stop")
     trainer.barrier()
     await coord.close(stopped, step, version, saved=stopped and ckpt.save_freq > 0)
     return 0
@@ -194,13 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-sync-port", type=int, required=True, help="rank 0's port for the weight-update group")
     p.add_argument("--device", required=True, help="torch device of this rank (cuda:0 under its CUDA_VISIBLE_DEVICES)")
     p.add_argument("--launch", required=True, help="the launch whose endpoints.json rank 0 waits for")
+    p.add_argument("--critic-link", default=None,
+                   help="HOST:PORT of the critic pool's rank 0 (a critic component in the allocation)")
     a = p.parse_args(argv)
     from areal_like.api.net import apply_gloo_interface
 
     apply_gloo_interface()  # before the pool's gloo groups: the interface of this node's address (issue 40)
     import uvloop
 
-    code = uvloop.run(run(a.run_dir, a.metrics_port, a.incarnation, a.weight_sync_port, a.device, a.launch))
+    code = uvloop.run(run(a.run_dir, a.metrics_port, a.incarnation, a.weight_sync_port, a.device, a.launch,
+                          a.critic_link))
     import torch.distributed as dist
 
     if dist.is_initialized():  # a rank of a pool: its process ends without the interpreter's finalization

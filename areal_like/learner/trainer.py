@@ -48,6 +48,7 @@ import math
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -102,6 +103,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # tokens) and maxima; reduced over pp and dp, then averaged over the step's optimizer steps.
 _SUM_STATS = ("loss", "clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "behav_tokens_capped", "dual_clipfrac",
               "entropy", "kl_ref", "adv_abs_mean", "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")
+_GROUPS_ENC = msgspec.msgpack.Encoder()  # the critic pool's messages (learner/critic_link.py)
 _MAX_STATS = ("behav_w_max", "ratio_max", "neg_behav_w_min", "mm_abs_max")
 _COUNT_STATS = ("behav_tokens_capped", "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")  # sums, not means
 
@@ -151,7 +153,15 @@ class Trainer:
         fp32_lm_head: bool = False,
         lora: LoraSettings | None = None,
         teacher: TeacherConfig | None = None,
+        role: str = "actor",
+        critic_pool: bool = False,
     ) -> None:
+        """`role`: "actor" (the policy, with its critic, reference and teacher signal), or "critic": a critic
+        pool's trainer (the value model alone; `critic_values`, `critic_train`). `critic_pool` (the actor's):
+        the critic trains on a pool of its own (`fsdp[critic]` in the allocation) — `train_step` fetches
+        its values through rank 0's `remote_critic` (a `CriticLink`) instead of building one here."""
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role must be actor or critic, got {role!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)} (model.dtype)")
         md = train_cfg.master_dtype
@@ -195,24 +205,30 @@ class Trainer:
         self.dp_sharding = effective_dp_sharding(train_cfg.dp_sharding, layout)
         build = dict(train_cfg=train_cfg, compute_dtype=self.dtype, master_dtype=DTYPES[md], device=self.device,
                      dp_sharding=self.dp_sharding, checkpoint_layers=self.gradient_checkpointing)
-        self.lora = lora  # model.lora_rank > 0: the actor trains a LoRA adapter (learner/lora.py)
-        adapter = () if lora is None else (LoraConverter(lora, base_model=model_path, seed=train_cfg.seed),)
-        self.actor = build_model(model_path, "actor", layout, converters=adapter, param_offload=train_cfg.param_offload,
-                                 optimizer_offload=train_cfg.optimizer_offload, **build)
-        self.config = self.actor.config
+        self.role = role
+        self.critic_pool = bool(critic_pool) and role == "actor"
+        self.remote_critic = None  # rank 0 of an actor pool with a critic pool: its `CriticLink` (main.py sets it)
+        self.lora = lora if role == "actor" else None  # model.lora_rank > 0: the actor trains a LoRA adapter
+        adapter = () if self.lora is None else (LoraConverter(self.lora, base_model=model_path, seed=train_cfg.seed),)
+        self.actor: ShardedModel | None = None
+        if role == "actor":
+            self.actor = build_model(model_path, "actor", layout, converters=adapter,
+                                     param_offload=train_cfg.param_offload,
+                                     optimizer_offload=train_cfg.optimizer_offload, **build)
         self.fp32_lm_head = bool(fp32_lm_head)
-        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         self.critic: ShardedModel | None = None
         c = self.critic_cfg
-        if self.alg.adv_estimator == "gae":
+        if role == "critic" or (self.alg.adv_estimator == "gae" and not self.critic_pool):
             self.critic = build_model(c.path or model_path, "critic", layout, converters=(ValueHead(),),
                                       param_offload=c.param_offload, optimizer_offload=c.optimizer_offload, **build)
+        self.config = (self.actor or self.critic).config
+        self.pad_id = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         self.ref: ShardedModel | None = None
         r = ref or RefConfig()
-        kl = self.alg.kl_loss_on or self.alg.kl_reward_on
+        kl = role == "actor" and (self.alg.kl_loss_on or self.alg.kl_reward_on)
         # An actor with a frozen base (LoRA: its adapter disabled) is its own KL reference, unless ref.path
         # names another model: no second copy of the weights (verl's way)
-        self.ref_is_base = bool(kl and self.actor.conversion.has_frozen_base and r.path in (None, model_path))
+        self.ref_is_base = bool(kl and self.actor and self.actor.conversion.has_frozen_base and r.path in (None, model_path))
         if kl and not self.ref_is_base:
             self.ref = build_model(r.path or model_path, "reference", layout, param_offload=r.param_offload, **build)
         if self.fp32_lm_head:  # model.fp32_lm_head: logits in fp32 (actor and reference; the critic has no LM head)
@@ -231,20 +247,25 @@ class Trainer:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, layout: ParallelLayout | LayoutSpec | str | None, *,
-                    device: str = "cpu") -> "Trainer":
+                    device: str = "cpu", role: str = "actor") -> "Trainer":
+        """`role` "actor": the actor pool's trainer (a critic pool in `cfg.allocation` — a `critic` component —
+        takes the critic out of it); "critic": that critic pool's."""
+        from allocation import parse_allocation
+
+        critic_pool = any(c.role == "critic" for c in parse_allocation(cfg.allocation).training_components)
         return cls(cfg.model.path, cfg.train, layout, temperature=cfg.generation.temperature, device=device,
                    dtype=cfg.model.dtype, algorithm=cfg.algorithm, critic=cfg.critic, ref=cfg.ref,
                    reward=cfg.reward, max_new_tokens=cfg.generation.max_new_tokens,
                    gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                    lora=LoraSettings.from_model_config(cfg.model),
-                   fp32_lm_head=cfg.model.fp32_lm_head, teacher=cfg.teacher)
+                   fp32_lm_head=cfg.model.fp32_lm_head, teacher=cfg.teacher, role=role, critic_pool=critic_pool)
 
     @property
     def memory_policy(self) -> str:
         """One line: activation checkpointing and the logits chunk (logged at start)."""
         chunk = self.cfg.logits_chunk_tokens
-        return (f"gradient checkpointing {'on' if self.gradient_checkpointing else 'off'} "
-                f"(actor{', critic' if self.critic is not None else ''}); "
+        models = ", ".join(m.role for m in (self.actor, self.critic) if m is not None)
+        return (f"gradient checkpointing {'on' if self.gradient_checkpointing else 'off'} ({models}); "
                 + (f"logits in chunks of {chunk} tokens" if chunk else "logits unchunked"))
 
     @property
@@ -284,7 +305,12 @@ class Trainer:
 
     @property
     def optimizer_steps(self) -> int:
-        return self.actor.optimizer_steps
+        return (self.actor or self.critic).optimizer_steps
+
+    @property
+    def trains_critic(self) -> bool:
+        """GAE's critic is trained, here or on a critic pool."""
+        return self.critic is not None or self.critic_pool
 
     def _total_optimizer_steps(self) -> int:
         return self.cfg.total_steps * self.cfg.ppo_epochs * self.cfg.ppo_minibatches
@@ -679,6 +705,8 @@ class Trainer:
                 channels[CH_REF] = self._forward_logprobs(self.actor, samples, mine)
         if self.critic is not None:
             channels[CH_OLD_VALUE] = self._forward_values(self.critic, samples, mine)
+        elif self.critic_pool:  # V_old from the critic pool: rank 0 asks it, every rank keeps its share
+            channels[CH_OLD_VALUE] = self._remote_values(groups, mine)
         # 3. advantages (and critic returns) where the loss runs; the teacher's reverse KL (a stat) on every rank
         opd = None
         if self.teacher is not None:
@@ -689,6 +717,8 @@ class Trainer:
             channels[CH_ADV], ret = self._advantages(samples, mine, scores_N, group_index_N, channels, opd)
             if self.critic is not None:
                 channels[CH_RETURN] = ret
+        if self.critic_pool:  # the returns to the critic pool, which trains on them while the actor does
+            self._remote_train(len(samples), ret if L.is_last_stage else {}, version)
         # 4. the PPO update: epochs × minibatches optimizer steps
         sums_total = torch.zeros(len(_SUM_STATS), dtype=torch.float64)
         maxes_total = torch.full((len(_MAX_STATS),), -math.inf, dtype=torch.float64)
@@ -718,15 +748,11 @@ class Trainer:
                 loss_tokens_total += lt
                 n_opt += 1
                 if self.critic is not None:
-                    cacc = {"value_loss": torch.zeros((), device=dev)}
-                    self.critic.zero_grad()
-                    if lt > 0:
-                        self._forward_backward(self.critic, samples, share, channels, self._critic_loss_fn(cacc, lt))
-                    vsum, _ = self._reduce(cacc["value_loss"].reshape(1))
-                    cnorm, _, critic_lr, vfetched = self._optimizer_step(self.critic, lt, vsum[0],
-                                                                         self.critic_cfg.lr or cfg.lr, vsum)
-                    value_losses.append(vfetched[0])
+                    vloss, cnorm, critic_lr = self._critic_update(samples, share, channels, lt)
+                    value_losses.append(vloss)
                     critic_norms.append(cnorm)
+        if self.critic_pool:  # the critic pool's stats of the same step (it trained beside the actor)
+            value_losses, critic_norms, critic_lr = self._remote_trained()
         self.step += 1
         self.version = version
         # 5. stats: means over the step's optimizer steps (token-weighted within each), maxima overall
@@ -755,7 +781,7 @@ class Trainer:
             teacher_kl=self._teacher_kl if self.teacher is not None else None,
             value_loss=float(np.mean(value_losses)) if value_losses else None,
             critic_grad_norm=float(np.mean(critic_norms)) if critic_norms else None,
-            lr=lr, critic_lr=critic_lr if self.critic is not None else None,
+            lr=lr, critic_lr=critic_lr if self.trains_critic else None,
             num_tokens=int(sum(t.num_tokens for t in samples)),
             loss_tokens=loss_tokens_of(samples, list(range(len(samples)))),
             num_groups=len(groups), num_samples=len(samples), optimizer_steps=len(applied),
@@ -765,6 +791,96 @@ class Trainer:
             # this rank's peak of allocated CUDA memory during the step (None on CPU)
             device_mem_peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
         )
+
+    def _critic_update(self, samples: list[Trajectory], share: list[int], channels: dict[int, SampleArrays],
+                       lt: int) -> tuple[float, float, float]:
+        """One optimizer step of the critic on one minibatch (this rank's `share`; `lt` its global loss
+        tokens): the clipped value loss against `channels`' returns. Returns (value loss, grad norm, lr)."""
+        cacc = {"value_loss": torch.zeros((), device=self.device)}
+        self.critic.zero_grad()
+        if lt > 0:
+            self._forward_backward(self.critic, samples, share, channels, self._critic_loss_fn(cacc, lt))
+        vsum, _ = self._reduce(cacc["value_loss"].reshape(1))
+        cnorm, _, lr, fetched = self._optimizer_step(self.critic, lt, vsum[0], self.critic_cfg.lr or self.cfg.lr, vsum)
+        return fetched[0], cnorm, lr
+
+    # ---- a critic on its own pool (`fsdp[critic]` in the allocation; learner/critic_pool.py) --------------
+    def _remote_values(self, groups: list[TrajectoryGroup], mine: list[int]) -> SampleArrays:
+        """V_old of this rank's samples, computed by the critic pool: rank 0 sends the step's groups and
+        receives every sample's values; the pool gets them in one broadcast."""
+        from areal_like.learner.critic_link import bytes_to_arrays
+        from areal_like.learner.parallel.broadcast import broadcast_bytes
+
+        payload = None
+        if self.is_rank0:
+            link = self.remote_critic
+            link.send("values", step=self.step + 1, groups=_GROUPS_ENC.encode(groups))
+            got = link.recv("values", timeout_s=self.critic_cfg.timeout_s, what=f"send step {self.step + 1}'s values")
+            payload = _GROUPS_ENC.encode(got["values"])
+        # the others wait for rank 0 outside any collective (a critic slower than train.collective_timeout_s is
+        # bounded by critic.timeout_s alone)
+        self.layout.leader_ready("receive the critic pool's values")
+        values = bytes_to_arrays(msgspec.msgpack.decode(broadcast_bytes(payload, self.layout), type=list[bytes]))
+        return {i: values[i] for i in mine}
+
+    def _remote_train(self, n: int, returns: SampleArrays, version: int) -> None:
+        """Every sample's returns (from the ranks that computed them) to rank 0, which sends them to the
+        critic pool; it trains on them while this pool trains the actor (`_remote_trained` collects)."""
+        from areal_like.learner.critic_link import arrays_to_bytes
+        from areal_like.learner.parallel.broadcast import gather_bytes
+
+        mine = _GROUPS_ENC.encode({int(i): arrays_to_bytes([r])[0] for i, r in returns.items()})
+        parts = gather_bytes(mine, self.layout)
+        if self.is_rank0:
+            merged: dict[int, bytes] = {}
+            for part in parts:
+                merged.update(msgspec.msgpack.decode(part, type=dict[int, bytes]))
+            if len(merged) != n:
+                raise RuntimeError(f"learner step {self.step + 1}: returns of {len(merged)} of {n} samples computed")
+            self.remote_critic.send("train", step=self.step + 1, version=version,
+                                    returns=[merged[i] for i in range(n)])
+
+    def _remote_trained(self) -> tuple[list[float], list[float], float]:
+        """The critic pool's stats of this step (value losses and grad norms per optimizer step, its last
+        lr), on every rank."""
+        from areal_like.learner.parallel.broadcast import broadcast_bytes
+
+        payload = None
+        if self.is_rank0:
+            got = self.remote_critic.recv("trained", timeout_s=self.critic_cfg.timeout_s,
+                                          what=f"train the critic on step {self.step + 1}")
+            payload = _GROUPS_ENC.encode([got["value_losses"], got["grad_norms"], got["lr"]])
+        self.layout.leader_ready("receive the critic pool's step stats")
+        vl, gn, lr = msgspec.msgpack.decode(broadcast_bytes(payload, self.layout))
+        return [float(x) for x in vl], [float(x) for x in gn], float(lr)
+
+    # ---- the critic pool's side (role "critic") -----------------------------------------------------------
+    def critic_values(self, groups: list[TrajectoryGroup]) -> SampleArrays:
+        """V_old of this rank's share of the step's samples (the actor's minibatch split, this pool's dp);
+        results on the last pipeline stage."""
+        samples = [t for g in groups for t in g.trajectories]
+        mbs = minibatches(len(samples), self.cfg.ppo_minibatches)
+        mine = sorted(i for mb in mbs for i in dp_share(samples, mb, self.layout.dp, self.layout.dp_rank))
+        return self._forward_values(self.critic, samples, mine)
+
+    def critic_train(self, groups: list[TrajectoryGroup], values: SampleArrays, returns: list[np.ndarray]
+                     ) -> tuple[list[float], list[float], float]:
+        """The critic's part of a step on a critic pool: ppo_epochs × ppo_minibatches optimizer steps, in
+        the actor's order, against V_old (`critic_values`' results on this rank) and every sample's
+        returns. Returns (value losses, grad norms, lr) of its optimizer steps."""
+        samples = [t for g in groups for t in g.trajectories]
+        cfg, L = self.cfg, self.layout
+        mbs = minibatches(len(samples), cfg.ppo_minibatches)
+        shares = [dp_share(samples, mb, L.dp, L.dp_rank) for mb in mbs]
+        channels = {CH_OLD_VALUE: values, CH_RETURN: {i: returns[i] for i in values}}
+        losses, norms, lr = [], [], float("nan")
+        for _ in range(cfg.ppo_epochs):
+            for mb_rows, share in zip(mbs, shares):
+                v, n, lr = self._critic_update(samples, share, channels, loss_tokens_of(samples, mb_rows))
+                losses.append(v)
+                norms.append(n)
+        self.step += 1
+        return losses, norms, lr
 
     # ---- full tensors on rank 0 -------------------------------------------------------------------
     def weight_source(self):

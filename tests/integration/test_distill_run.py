@@ -6,10 +6,9 @@ reward never enters training (it is still computed; validation scores held-out p
 
 import json
 import os
-import signal
 
 import pytest
-from conftest import kill_role_at_step, launcher_finish, launcher_spawn
+from conftest import launcher_run_killing
 
 pytestmark = pytest.mark.integration
 
@@ -19,18 +18,11 @@ THRESHOLD = 0.9  # held-out accuracy the student must reach: the teacher's (1.0)
 def test_a_fresh_student_reaches_the_teachers_held_out_accuracy_from_its_logprobs_alone(tmp_path, demo_assets):
     model, data = demo_assets
     run_dir = tmp_path / "run"
-    proc = launcher_spawn("run", "--config", "configs/distill_demo.yaml", "--run-dir", str(run_dir),
-                          f"model.path={model}", f"data.train_files=[{data}]", "train.total_steps=300",
-                          "train.test_freq=5", "train.stop_reward=0.95")
-    try:
-        # the teacher server killed at step 10: restarted on its port (launcher.max_restarts.teacher); the
-        # scorings wait for it (the client's probe takes it back) or fail their group, which is retried
-        kill_role_at_step(proc, run_dir, "teacher0", 10)
-        rc, out = launcher_finish(proc, timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    # the teacher server killed at step 10: restarted on its port (launcher.max_restarts.teacher); the scorings
+    # wait for it (the client's probe takes it back) or fail their group, which is retried
+    rc, out = launcher_run_killing("teacher0", 10, run_dir, "--config", "configs/distill_demo.yaml",
+                                   f"model.path={model}", f"data.train_files=[{data}]", "train.total_steps=300",
+                                   "train.test_freq=5", "train.stop_reward=0.95")
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "reward_reached", summary

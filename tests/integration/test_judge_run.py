@@ -5,11 +5,9 @@ of its own, and the policy learns the task from the judge alone: half the reward
 JudgeClient (examples/judge_reward/compute_score.py). The task's rule reward is never computed."""
 
 import json
-import os
-import signal
 
 import pytest
-from conftest import kill_role_at_step, launcher_finish, launcher_spawn
+from conftest import launcher_run_killing
 
 pytestmark = pytest.mark.integration
 
@@ -17,21 +15,14 @@ pytestmark = pytest.mark.integration
 def test_the_policy_learns_the_demo_from_the_judges_grades_alone(tmp_path, demo_assets):
     model, data = demo_assets
     run_dir = tmp_path / "run"
-    proc = launcher_spawn("run", "--config", "configs/judge_demo.yaml", "--run-dir", str(run_dir),
-                          f"model.path={model}", f"data.train_files=[{data}]", "train.total_steps=300",
-                          "train.stop_reward=0.8", "rollout.dump_dir=dump",
-                          "custom_reward_function.path=examples/judge_reward/compute_score.py",
-                          "judge.weight=0.5", "judge.rule_weight=0.5",
-                          "train.lr=2e-3")  # the criterion in ~75 steps instead of ~110 at the config's 1e-3
-    try:
-        # the judge server killed at step 10: restarted on its port (launcher.max_restarts.judge); its
-        # gradings wait for it (the client's probe takes it back) instead of failing
-        kill_role_at_step(proc, run_dir, "judge0", 10)
-        rc, out = launcher_finish(proc, timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    # the judge server killed at step 10: restarted on its port (launcher.max_restarts.judge); its gradings wait
+    # for it (the client's probe takes it back) instead of failing
+    rc, out = launcher_run_killing("judge0", 10, run_dir, "--config", "configs/judge_demo.yaml",
+                                   f"model.path={model}", f"data.train_files=[{data}]", "train.total_steps=300",
+                                   "train.stop_reward=0.8", "rollout.dump_dir=dump",
+                                   "custom_reward_function.path=examples/judge_reward/compute_score.py",
+                                   "judge.weight=0.5", "judge.rule_weight=0.5",
+                                   "train.lr=2e-3")  # the criterion in ~75 steps instead of ~110 at the config's 1e-3
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["restart_counts"]["judge"] == 1 and [r["role"] for r in summary["restarts"]] == ["judge0"], summary

@@ -196,22 +196,31 @@ def test_unrunnable_allocations_fail_before_starting(tmp_path):
 
     cases = [("embedded.d1p1t1", "training part"), ("vllm.d1p1t1+d1p1t1", "vllm"),
              ("embedded.d1p1t2+d1p1t1", "one device per server"), ("embedded.d1+d1x", "invalid allocation"),
-             # named components beyond one rollout pool, one actor pool, a judge and a teacher pool are planned
+             # a critic pool needs GAE, a learner backend and a disaggregated generation part
+             ("embedded[rollout]:d1+fsdp[actor]:d1|fsdp[critic]:d1", "set algorithm.adv_estimator=gae"),
+             ("embedded[rollout]:d1|fsdp[actor]:d1+fsdp[critic]:d1 algorithm.adv_estimator=gae",
+              "co-located generation part"),
+             ("embedded[rollout]:d1+fsdp[actor]:d1+archon[critic]:d1 algorithm.adv_estimator=gae",
+              "use fsdp[critic]:d1"),
+             # named components beyond one rollout, actor, critic, judge and teacher pool are planned
              # (launcher plan) but not started
-             ("embedded[rollout]:d1+fsdp[actor]:d1|fsdp[critic]:d1", "fsdp[critic] (role critic)"),
+             ("embedded[rollout]:d1+fsdp[actor]:d1+fsdp[ref]:d1", "fsdp[ref] (role ref)"),
              ("embedded[rollout]:d1+megatron[actor]:d1+embedded[judge]:d1", "judge.model_path is not set"),
-             ("embedded[rollout]:d1+fsdp[actor]:d1+sglang[judge]:d1 judge.model_path=demo:tiny-qwen2",
-              "SGLang judge servers are not started yet"),
+             ("embedded[rollout]:d1+fsdp[actor]:d1+vllm[judge]:d1 judge.model_path=demo:tiny-qwen2",
+              "use embedded[judge]:d1 or sglang[judge]:d1"),
              ("embedded[rollout]:d1+fsdp[actor]:d1|embedded[judge]:d1 "
               "judge.model_path=demo:tiny-qwen2", "co-located"),
              ("embedded.d1p1t1+d1p1t1 judge.model_path=demo:tiny-qwen2", "has no judge component"),
              # a teacher pool (on-policy distillation) likewise: embedded, a pool of its own, with its model
-             ("embedded[rollout]:d1+fsdp[actor]:d1+sglang[teacher]:d1 teacher.model_path=demo:tiny-qwen2",
-              "SGLang teacher servers are not started yet"),
              ("embedded[rollout]:d1+fsdp[actor]:d1+embedded[teacher]:d1", "teacher.model_path is not set"),
              ("embedded:d1+archon:d1", "training backend 'archon' can be planned but not run")]
     if importlib.util.find_spec("sglang") is None:  # on GPU machines with sglang this one would start
         cases.append(("sglang.d1p1t1+d1p1t1", "scripts/setup.sh --sglang"))  # names server.python too
+        # SGLang judge and teacher servers likewise (tests/integration/test_sglang_launch_secrets.py starts them)
+        cases.append(("embedded[rollout]:d1+fsdp[actor]:d1+sglang[judge]:d1 judge.model_path=demo:tiny-qwen2",
+                      "scripts/setup.sh --sglang"))
+        cases.append(("embedded[rollout]:d1+fsdp[actor]:d1+sglang[teacher]:d1 teacher.model_path=demo:tiny-qwen2",
+                      "scripts/setup.sh --sglang"))
     for case, words in cases:
         alloc, *overrides = case.split()
         proc = subprocess.run([sys.executable, "-m", "launcher", "run", "--allocation", alloc,

@@ -193,7 +193,9 @@ def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path
     is a Ray actor on the plan's device, and grades every sample (here the demo model itself serves as the
     judge: half of each reward is its p(Y) / (p(Y) + p(N)) after the sample, half the demo's rule reward).
     And a teacher pool (issue 43 item 4): its server is a Ray actor on its own plan device, and it scores every
-    sample (the demo model again; its per-token reverse KL enters the advantage at teacher.kl_coef=0.1)."""
+    sample (the demo model again; its per-token reverse KL enters the advantage at teacher.kl_coef=0.1). And a
+    critic pool (issue 43 item 2, `fsdp[critic]:d1`, GAE): its rank is a Ray actor on its own plan device, asked
+    for the values of every step."""
     from test_redis_exporter import DECOY, _redis_conf, _redis_target, _scrape
 
     model, data = demo_assets
@@ -201,7 +203,8 @@ def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | RAY_ENV
     env |= {"AREAL_LIKE_REDIS_PASSWORD": DECOY, "REDIS_PASSWORD": DECOY}
     proc = subprocess.Popen([sys.executable, "-m", "launcher", "run", "--config", "configs/demo.yaml", "--backend", "ray",
-                             "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1+embedded[teacher]:d1",
+                             "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1+embedded[teacher]:d1"
+                             "+fsdp[critic]:d1", "algorithm.adv_estimator=gae",
                              f"teacher.model_path={model}", "teacher.kl_coef=0.1",
                              "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
                              "train.total_steps=100000", f"judge.model_path={model}", "judge.score_rule=verdict",
@@ -226,15 +229,19 @@ def test_ray_backend_without_an_address_starts_and_ends_its_own_cluster(tmp_path
             os.killpg(proc.pid, signal.SIGINT)
     rc, out = launcher_finish(proc, timeout=300)
     assert rc == 130, out[-4000:]
-    assert "local Ray cluster: no GPU here; 4 logical device(s) declared for the CPU run" in out, out[-3000:]
+    assert "local Ray cluster: no GPU here; 5 logical device(s) declared for the CPU run" in out, out[-3000:]
     status = json.loads(launcher_cli("status", "--run-dir", str(run_dir), "--json")[1])
     assert status["backend"] == "ray" and len({r["ray_node_id"] for r in status["roles"] if r.get("ray_node_id")}) == 1
     judge = next(r for r in status["roles"] if r["name"] == "judge0")
     assert (judge["node"], judge["devices"], judge["state"]) == (0, [2], "ended"), judge  # the plan's device 2
     teacher = next(r for r in status["roles"] if r["name"] == "teacher0")
     assert (teacher["node"], teacher["devices"], teacher["state"]) == (0, [3], "ended"), teacher
-    kls = [json.loads(line).get("teacher_kl") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    critic = next(r for r in status["roles"] if r["name"] == "critic")
+    assert (critic["node"], critic["devices"], critic["state"]) == (0, [4], "ended"), critic
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kls = [r.get("teacher_kl") for r in rows]
     assert kls and all(k is not None and k == k for k in kls), kls  # every step distilled (a number, not NaN)
+    assert all(r["value_loss"] is not None for r in rows)  # every step's values came from the critic pool
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] >= 4 and not any(summary["reward_failures"].values()), summary
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -59,8 +59,9 @@ def test_config_refuses_the_key_under_ray():
 
 
 def test_role_kind():
-    assert [role_kind(n) for n in ("server0", "server12", "learner", "learner3", "rollout1", "redis")] == [
-        "server", "server", "learner", "learner", "rollout", "redis"]
+    assert [role_kind(n) for n in ("server0", "server12", "learner", "learner3", "rollout1", "redis", "critic",
+                                   "critic2")] == ["server", "server", "learner", "learner", "rollout", "redis",
+                                                   "critic", "critic"]
     assert role_kind("serverx") is None and role_kind("proxy") is None
 
 

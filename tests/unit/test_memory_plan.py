@@ -136,6 +136,24 @@ def test_judge_and_teacher_pools_servers_count_their_own_models_weights(tmp_path
     assert teacher["device"] == 2 and teacher["weights_bytes"] == judges[0]["weights_bytes"]
 
 
+def test_a_critic_pool_holds_the_value_model_and_the_actor_no_longer_does(tmp_path: Path) -> None:
+    """Issue 43 item 2: with `fsdp[critic]:d2` the critic's parameters, gradients and AdamW state move from the
+    actor's devices to the critic pool's, whose ranks hold the value model alone (no actor state, no logits)."""
+    model = _model(tmp_path, QWEN25_05B)
+    inside = _memory(tmp_path, "--allocation", "sglang.d1p1t1+d2p1t1", "--model", model, "algorithm.adv_estimator=gae")
+    pool = _memory(tmp_path, "--allocation", "sglang[rollout]:d1+fsdp[actor]:d2+fsdp[critic]:d2", "--model", model,
+                   "algorithm.adv_estimator=gae")
+    in_actor = next(d for d in inside["devices"] if "learner rank 0" in d["roles"][0])
+    actor = next(d for d in pool["devices"] if "learner rank 0" in d["roles"][0])
+    critics = [d for d in pool["devices"] if d["roles"][0].startswith("critic rank")]
+    assert [d["device"] for d in critics] == [3, 4]
+    assert in_actor["critic_bytes"] > 0 and actor["critic_bytes"] == 0
+    assert actor["params_bytes"] == in_actor["params_bytes"]
+    for d in critics:
+        assert d["critic_bytes"] == in_actor["critic_bytes"] and d["activations_bytes"] > 0
+        assert d["params_bytes"] == d["optimizer_bytes"] == d["logits_bytes"] == d["reference_bytes"] == 0
+
+
 def test_table_marks_over_full_devices_and_names_a_fix(tmp_path: Path) -> None:
     model = _model(tmp_path, QWEN25_05B)
     proc = _run("--allocation", "sglang.d1p1t1+d1p1t1", "--model", model, "--device-memory", "16GB",

@@ -193,3 +193,25 @@ def test_rollout_worker_dataset_tells_an_empty_file_from_prompts_too_long(tmp_pa
     null = _write(tmp_path / "null.parquet", [_row("1"), _row(None)])
     with pytest.raises(ValueError, match=rf"data.val_files\[0\]={null} row 1: column 'prompt' is null"):
         PromptDataset([null], tok, key="data.val_files")
+
+
+def test_rows_a_reward_model_grades_need_a_judge_whose_grade_is_the_reward(tmp_path, demo_assets):
+    """verl's `reward_model.style: model` rows (here without a reference answer): the built-in rule has nothing to
+    compare a response with, so a run that would score them with it is refused, naming the fix; a judge whose
+    grade alone is the reward (judge.rule_weight=0), or the user's own reward function, is accepted."""
+    model, _ = demo_assets
+    open_row = {"prompt": "123", "reward_model": {"ground_truth": None, "style": "model"}}
+    path = _write(tmp_path / "open.parquet", [_row("1"), _row("2"), open_row])
+    judged = ("allocation=embedded[rollout]:d1+fsdp[actor]:d1+embedded[judge]:d1", f"judge.model_path={model}")
+    with pytest.raises(PreflightError) as e:
+        _checked(model, path)
+    assert f"data.train_files[0]={path} row 2 has reward_model.style=model" in str(e.value)
+    assert "the run has no judge: add a judge component" in str(e.value)
+    with pytest.raises(PreflightError, match=r"judge.rule_weight=0.5 .* set judge.rule_weight=0"):
+        _checked(model, path, *judged, "judge.rule_weight=0.5")
+    _checked(model, path, *judged, "judge.rule_weight=0")
+    script = tmp_path / "grade.py"
+    script.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    _checked(model, path, f"custom_reward_function.path={script}")
+    # rows graded by their rule are not concerned (every other test here)
+    _checked(model, _write(tmp_path / "rule.parquet", [_row("1")]))

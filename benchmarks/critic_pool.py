@@ -1,0 +1,83 @@
+"""A critic on its own pool against the critic inside the actor's ranks (issue 43 item 2), on the 2-core machine.
+
+Side by side in one run, `--repeats` times each, alternating: the demo task (configs/demo.yaml) with GAE
+(`algorithm.adv_estimator=gae`, train.lr 2e-3, critic.lr 1e-2), the same seed, `--steps` steps each (no early
+stop), on
+
+- **inside**: `embedded[rollout]:d1+fsdp[actor]:d1` — the critic trains in the actor's process, after the actor
+  in each minibatch;
+- **pool**: `embedded[rollout]:d1+fsdp[actor]:d1+fsdp[critic]:d1` — the critic is a process of its own, asked for
+  V_old by the actor's step and trained on the returns while the actor trains.
+
+Per run, from metrics.jsonl: steady-state trained samples/s (rows after the first, by their times, as
+`launcher tune` reads them), the median learner step seconds (`step_s`: for the pool run this includes the
+wait for the critic's values and stats), the median value loss over the last 20 steps and the last 20 steps'
+mean reward. The last line is `pool_vs_inside_samples_per_s: <ratio>` (median pool run over median inside run).
+
+    .venv/bin/python benchmarks/critic_pool.py [--steps 100] [--repeats 2] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import ROOT  # first: puts the repository root on sys.path
+
+ALLOCATIONS = {"inside": "embedded[rollout]:d1+fsdp[actor]:d1",
+               "pool": "embedded[rollout]:d1+fsdp[actor]:d1+fsdp[critic]:d1"}
+GAE = ["algorithm.adv_estimator=gae", "critic.lr=1e-2", "train.lr=2e-3", "train.test_freq=0", "metrics.report=false"]
+
+
+def run(kind: str, steps: int, run_dir: str) -> dict:
+    cmd = [sys.executable, "-m", "launcher", "run", "--config", "configs/demo.yaml", "--run-dir", run_dir,
+           "--allocation", ALLOCATIONS[kind], f"train.total_steps={steps}", *GAE]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-6000:])
+        raise SystemExit(f"launcher run failed ({proc.returncode}): {kind}")
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    later = rows[1:]
+    last = rows[-20:]
+    return {"kind": kind, "steps": len(rows), "wall_s": round(wall, 1),
+            "samples_per_s": round(sum(r["samples"] for r in later) / (later[-1]["time"] - rows[0]["time"]), 1),
+            "step_s_median": round(statistics.median(r["step_s"] for r in later), 4),
+            "value_loss_last20_median": round(statistics.median(r["value_loss"] for r in last), 4),
+            "reward_last20": round(sum(r["reward_mean"] for r in last) / len(last), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--keep", help="keep the run directories here")
+    a = ap.parse_args()
+    base = a.keep or tempfile.mkdtemp(prefix="critic-pool-")
+    results: dict[str, list[dict]] = {k: [] for k in ALLOCATIONS}
+    try:
+        for rep in range(a.repeats):
+            for kind in ALLOCATIONS:
+                r = run(kind, a.steps, os.path.join(base, f"{kind}{rep}"))
+                results[kind].append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        if not a.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in results.items()}
+    step = {k: statistics.median(r["step_s_median"] for r in v) for k, v in results.items()}
+    print(f"median samples/s: inside {med['inside']:.1f}, pool {med['pool']:.1f}; median step_s: inside "
+          f"{step['inside']:.4f}, pool {step['pool']:.4f}")
+    print(f"pool_vs_inside_samples_per_s: {med['pool'] / med['inside']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
