@@ -140,19 +140,38 @@ class ModelShape:
     qkv_bias: bool
     qk_norm: bool
     model_type: str = ""
+    # mixture of experts (0 experts: dense): per sparse layer a router (E × h), E experts of moe_intermediate
+    # (gate, up, down), Qwen2-MoE's shared expert of shared_intermediate (+ its h → 1 gate); top_k active per token
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    sparse_layers: int = 0  # how many of `layers` are sparse (decoder_sparse_step, mlp_only_layers)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> "ModelShape":
         try:
             h, a = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             mt = str(cfg.get("model_type", ""))
-            return cls(hidden=h, layers=int(cfg["num_hidden_layers"]), heads=a,
+            L = int(cfg["num_hidden_layers"])
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+            sparse = 0
+            if experts:
+                step = int(cfg.get("decoder_sparse_step") or 1)
+                dense = set(cfg.get("mlp_only_layers") or [])
+                first_dense = int(cfg.get("first_k_dense_replace") or 0)  # DeepSeek's leading dense layers
+                sparse = sum(1 for i in range(L) if (i + 1) % step == 0 and i not in dense and i >= first_dense)
+            return cls(hidden=h, layers=L, heads=a,
                        kv_heads=int(cfg.get("num_key_value_heads") or a),
                        head_dim=int(cfg.get("head_dim") or h // a), intermediate=int(cfg["intermediate_size"]),
                        vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)),
-                       # Qwen2 always has q/k/v biases; Llama/Qwen3 follow `attention_bias`
-                       qkv_bias=mt == "qwen2" or bool(cfg.get("attention_bias", False)),
-                       qk_norm=mt.startswith("qwen3"), model_type=mt)
+                       # Qwen2 (and Qwen2-MoE) always have q/k/v biases; Llama/Qwen3 follow `attention_bias`
+                       qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
+                       qk_norm=mt.startswith("qwen3"), model_type=mt, experts=experts,
+                       top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+                       moe_intermediate=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+                       shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0,
+                       sparse_layers=sparse)
         except KeyError as e:
             raise ValueError(f"model config has no {e.args[0]!r}: the planner needs an HF decoder config.json "
                              "(hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size)") from None
@@ -171,13 +190,41 @@ class ModelShape:
 
     # ---- parameter counts -----------------------------------------------------------------------
     def layer_params(self, tp: int = 1) -> int:
-        """One decoder layer's parameters on one tp rank (sharded projections / tp + replicated norms)."""
+        """One decoder layer's parameters on one tp rank (sharded projections / tp + replicated norms); a MoE
+        model's layers averaged over its sparse and dense ones (`moe_layer_params`)."""
         h, a, g, d, i = self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate
+        if self.experts:
+            return -(-(self.sparse_layers * self.moe_layer_params(tp)
+                       + (self.layers - self.sparse_layers) * self.moe_layer_params(tp, dense=True)) // self.layers)
         sharded = h * a * d + 2 * h * g * d + a * d * h + 3 * h * i
         if self.qkv_bias:
             sharded += a * d + 2 * g * d
         replicated = 2 * h + (2 * d if self.qk_norm else 0)
         return sharded // tp + replicated
+
+    def moe_layer_params(self, tp: int = 1, *, dense: bool = False) -> int:
+        """One decoder layer of a MoE model on one tp rank: attention, then a dense MLP (`dense`) or the router,
+        every expert and the shared expert."""
+        h, a, g, d = self.hidden, self.heads, self.kv_heads, self.head_dim
+        sharded = h * a * d + 2 * h * g * d + a * d * h
+        if dense:
+            sharded += 3 * h * self.intermediate
+        else:
+            sharded += self.experts * 3 * h * self.moe_intermediate + 3 * h * self.shared_intermediate
+        if self.qkv_bias:
+            sharded += a * d + 2 * g * d
+        replicated = 2 * h + (2 * d if self.qk_norm else 0)
+        if not dense:
+            replicated += self.experts * h + (h if self.shared_intermediate else 0)  # router (+ shared-expert gate)
+        return sharded // tp + replicated
+
+    def active_params(self) -> int:
+        """Parameters one token passes through (the A in Qwen3-30B-A3B): the routed experts count top_k of
+        `experts`."""
+        if not self.experts:
+            return self.count_params()
+        idle = self.sparse_layers * (self.experts - self.top_k) * 3 * self.hidden * self.moe_intermediate
+        return self.count_params() - idle
 
     def lora_layer_params(self, rank: int, targets: tuple[str, ...], tp: int = 1) -> int:
         """One decoder layer's LoRA adapter parameters on one tp rank: r·(in + out) per targeted
@@ -198,7 +245,9 @@ class ModelShape:
     def count_params(self) -> int:
         """Total parameters of the *ForCausalLM model (tied lm_head counted once)."""
         emb = self.vocab * self.hidden
-        return emb + self.layers * self.layer_params() + self.hidden + (0 if self.tied else emb)
+        layers = (self.sparse_layers * self.moe_layer_params() + (self.layers - self.sparse_layers)
+                  * self.moe_layer_params(dense=True)) if self.experts else self.layers * self.layer_params()
+        return emb + layers + self.hidden + (0 if self.tied else emb)
 
     def stage_params(self, pp: int, stage: int, tp: int, *, head_dim_out: int | None = None) -> int:
         """Parameters of pipeline stage `stage` on one tp rank; `head_dim_out` = 1 for a critic."""
@@ -218,7 +267,9 @@ class ModelShape:
     # ---- activations ----------------------------------------------------------------------------
     def layer_activation_bytes(self, b: int, tp: int = 1) -> float:
         """A_layer: bytes autograd keeps per token for one decoder layer (module docstring)."""
-        h, a, g, d, i = self.hidden, self.heads / tp, max(self.kv_heads / tp, 1), self.head_dim, self.intermediate / tp
+        # a MoE layer's MLP activations: the top_k routed experts (and the shared one) each token passes through
+        inter = (self.top_k * self.moe_intermediate + self.shared_intermediate) if self.experts else self.intermediate
+        h, a, g, d, i = self.hidden, self.heads / tp, max(self.kv_heads / tp, 1), self.head_dim, inter / tp
         total = 2 * (4 + b) * h + b * (3 * a * d + 2 * g * d) + 4 * a + 4 * b * i
         if self.qk_norm:
             total += (4 + b) * (a + g) * d
@@ -638,7 +689,9 @@ def format_memory(plan: MemoryPlan) -> str:
     lines = [
         "",
         f"memory: {sh.model_type or 'decoder'} {sh.count_params() / 1e9:.2f}B params (h {sh.hidden}, L {sh.layers}, "
-        f"heads {sh.heads}/{sh.kv_heads}, vocab {sh.vocab}); device {fmt_bytes(plan.capacity)}",
+        f"heads {sh.heads}/{sh.kv_heads}, vocab {sh.vocab}"
+        + (f"; {sh.experts} experts, top-{sh.top_k} in {sh.sparse_layers} layers, {sh.active_params() / 1e9:.2f}B "
+           f"active per token" if sh.experts else "") + f"); device {fmt_bytes(plan.capacity)}",
         f"        learner: model.dtype={s.dtype} train.master_dtype={s.master_dtype} "
         f"train.dp_sharding={s.dp_sharding} checkpointing={'on' if s.checkpointing else 'off'} micro-batch {s.tokens_per_micro_batch} tokens, "
         f"logits chunk {s.logits_chunk_tokens or 'off'}; servers: {s.server_dtype}",

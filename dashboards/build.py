@@ -87,9 +87,12 @@ LEARNER = [
     ts("Training–inference mismatch", "The learner's logprobs (the step's starting weights) against the servers' "
        "on the same tokens: mean and max |Δ log p|, KL(π_behav ‖ π_learner) (k3 estimate), and the share of "
        "tokens whose ratio π_learner/π_behav leaves [0.5, 5]. Includes the policy lag of stale tokens. "
-       "train.rejection_sampling (IcePop, TIS) corrects it; the tokens it acted on are the last series.",
+       "train.rejection_sampling (IcePop, TIS) corrects it; the tokens it acted on are a series. MoE runs with "
+       "train.routing_replay: the share of replayed expert choices the learner's own router agrees with.",
        [target(f"areal_like_learner_mismatch{L}", "{{run}} {{stat}}"),
-        target(f"areal_like_learner_behav_tokens_corrected{L}", "{{run}} tokens corrected")]),
+        target(f"areal_like_learner_behav_tokens_corrected{L}", "{{run}} tokens corrected"),
+        # MoE routing replay (train.routing_replay): how often the learner's router agrees with the replayed experts
+        target(f"areal_like_learner_routing_agreement{L}", "{{run}} routing agreement (replay)")]),
     ts("Clip fraction", "Fraction of loss tokens where the PPO clip was active.",
        [target(f"areal_like_learner_clipfrac{L}", "{{run}}")], unit="percentunit"),
     ts("Entropy", "Mean policy entropy over loss tokens.", [target(f"areal_like_learner_entropy{L}", "{{run}}")]),

@@ -54,6 +54,27 @@ def check_model_dir(path: str, key: str) -> None:
                              "save the tokenizer into the model directory")
 
 
+def _generation_backend(cfg: ExperimentConfig) -> str | None:
+    from allocation import AllocationError, parse_allocation
+
+    try:
+        gen = parse_allocation(cfg.allocation).generation
+    except AllocationError:
+        return None  # reported where the allocation is checked
+    return gen.backend if gen is not None else None
+
+
+def _is_moe_dir(path: str) -> bool:
+    """Whether the HF model dir's config.json describes a mixture-of-experts model (transformers' MoE configs
+    name their expert count num_experts, num_local_experts or n_routed_experts)."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    c = c.get("text_config", c)
+    return any(int(c.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def resolve_and_check(cfg: ExperimentConfig, log=lambda msg: None) -> None:
     """Resolve demo names in `cfg` (in place, so every role reads real paths from config.json) and
     check every model and data path; raises PreflightError."""
@@ -61,6 +82,15 @@ def resolve_and_check(cfg: ExperimentConfig, log=lambda msg: None) -> None:
 
     cfg.model.path = _resolve(cfg.model.path, "model.path", log)
     check_model_dir(cfg.model.path, "model.path")
+    if _is_moe_dir(cfg.model.path) and _generation_backend(cfg) == "sglang":
+        raise PreflightError(f"model.path={cfg.model.path} is a mixture-of-experts model and the generation servers are "
+                             "SGLang's: the learner's weight push sends transformers' fused experts, and renaming them "
+                             "into SGLang's per-expert layout is not implemented yet; use embedded servers "
+                             "(--allocation embedded.…, server.device=cuda on GPUs)")
+    if cfg.train.routing_replay != "off" and not _is_moe_dir(cfg.model.path):
+        raise PreflightError(f"train.routing_replay={cfg.train.routing_replay} replays a mixture-of-experts model's "
+                             f"expert choices, and model.path={cfg.model.path} has no experts (its config.json names "
+                             "no num_experts): set train.routing_replay=off")
     for key, sec in (("critic.path", cfg.critic), ("ref.path", cfg.ref)):
         if sec.path is not None:
             sec.path = _resolve(sec.path, key, log)

@@ -594,6 +594,7 @@ class Run:
                                            cfg.model.target_modules) if cfg.model.lora_rank > 0 else (),
                                        delta_loader=delta_loader_dir(self.run_dir) if cfg.weights.sync == "delta"
                                        else None,
+                                       return_routed_experts=cfg.train.routing_replay == "rollout",
                                        # the workflows' limit, also SGLang's (else it takes the model's)
                                        extra_args=["--context-length", str(cfg.resolved_max_context_len())],
                                        # the keys: a 0600 --config file in the 0700 run dir, never argv (issue 24)
@@ -654,6 +655,8 @@ class Run:
             argv.append("--disable-metrics")
         if cfg.model.fp32_lm_head and not fixed:
             argv.append("--enable-fp32-lm-head")
+        if cfg.train.routing_replay == "rollout" and not fixed:  # MoE: each position's routed experts, recorded
+            argv.append("--enable-return-routed-experts")
         if cfg.model.lora_rank > 0 and not fixed:
             # runtime LoRA: the run's adapter (each push replaces it) plus the one a push is swapping
             # in while requests that started on the old one still run

@@ -422,6 +422,18 @@ class TrainConfig(_Section):
     """π_prox of the decoupled loss: `recompute` (learner's logprobs with the step's starting weights,
     AReaL's default), `loglinear` (interpolated from per-token versions, no extra forward pass),
     `behaviour` (π_prox = π_behav: standard PPO without the decoupled correction)."""
+    routing_replay: Literal["off", "rollout", "behaviour"] = "off"
+    """Mixture-of-experts models: which expert choices the learner's forward uses. `off`: the learner's own
+    router. `rollout` (R3, "rollout routing replay"): the experts the generation server chose for every
+    position — the servers record them (`--enable-return-routed-experts`), the trajectories carry them, and
+    the learner's routers take them instead of their own top-k (their weights still learn through the
+    replayed experts' scores). `behaviour` (R2): the experts the learner's own router chose with the step's
+    starting weights, recorded in one forward pass and replayed in every update of the step."""
+    routing_replay_measure: bool = False
+    """With `routing_replay=rollout`: also measure, each step, the training–inference mismatch on the same
+    tokens with and without the replay — the learner's logprobs with the servers' routes and with its own router,
+    each against the servers' (`routing_dlogp_replayed`, `routing_dlogp_own`). Two more forward passes a step;
+    for comparing, off by default."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
         "token-mean"
     """How per-token losses become the minibatch loss (verl's `loss_agg_mode` names)."""
@@ -1495,9 +1507,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+YAML_OFF_KEYS = (("train", "routing_replay"),)  # string options named "off", which YAML reads as a boolean
+
+
 def load_config(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Load a YAML file (or defaults when `path` is None) with overrides; validate everything."""
     tree, where = _raw_tree(path, overrides)
+    for section, key in YAML_OFF_KEYS:  # YAML 1.1 reads a bare `off` as false: the value the user wrote is "off"
+        sec = tree.get(section)
+        if isinstance(sec, dict) and sec.get(key) is False:
+            sec[key] = "off"
     try:
         cfg = msgspec.convert(tree, ExperimentConfig, strict=False)
     except msgspec.ValidationError as e:

@@ -157,6 +157,20 @@ class TrainStats(msgspec.Struct, kw_only=True):
         "step's loss tokens (what teacher.kl_coef weighs into the advantage); None without a teacher.",
         tracker="train/teacher_kl", prom=Prom("areal_like_learner_teacher_kl",
                                               "Mean per-token reverse KL to the teacher, last step"))] = None
+    routing_agreement: Annotated[float | None, published(
+        "MoE routing replay (train.routing_replay): the share of replayed (position, layer) pairs whose replayed "
+        "experts are the ones the learner's own router would choose (1 = no routing mismatch); None without replay.",
+        tracker="train/routing_agreement", prom=Prom("areal_like_learner_routing_agreement",
+                                                     "Share of replayed expert choices the learner's router agrees with, "
+                                                     "last step"))] = None
+    routing_dlogp_replayed: Annotated[float | None, published(
+        "train.routing_replay_measure: mean |log π_learner − log π_behav| over the loss tokens of samples with routes, "
+        "the learner routing as the servers did (the step's starting weights); None unless measured.",
+        tracker="train/routing_dlogp_replayed")] = None
+    routing_dlogp_own: Annotated[float | None, published(
+        "train.routing_replay_measure: the same tokens' mean |log π_learner − log π_behav| with the learner's own "
+        "router (what the mismatch would be without replay); None unless measured.",
+        tracker="train/routing_dlogp_own")] = None
     value_loss: Annotated[float | None, published(
         "Critic loss (GAE only; mean over the step's optimizer steps).", tracker="train/value_loss",
         prom=Prom("areal_like_learner_value_loss", "Critic value loss, last step (GAE only)"))] = None

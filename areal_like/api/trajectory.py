@@ -20,6 +20,21 @@ LOGPROBS_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")
 _IDS_SIZE, _MASK_SIZE = IDS_DTYPE.itemsize, MASK_DTYPE.itemsize
 _LOGPROBS_SIZE, _VERSIONS_SIZE = LOGPROBS_DTYPE.itemsize, VERSIONS_DTYPE.itemsize
+ROUTES_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}  # by itemsize
+
+
+def pack_routes(rows: np.ndarray) -> tuple[bytes, int, int]:
+    """(bytes, width, itemsize) of a (positions, width) array of expert ids ≥ 0, in the smallest unsigned
+    dtype that holds them: 1 byte per id up to 256 experts (Qwen3-30B-A3B: 48 layers × top-8 = 384 bytes per
+    token), 2 up to 65,536."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.shape[1] < 1:
+        raise ValueError(f"routed experts must be (positions, width ≥ 1), got shape {rows.shape}")
+    top = int(rows.max()) if rows.size else 0
+    if rows.size and int(rows.min()) < 0:
+        raise ValueError("routed experts must be ≥ 0 (an expert id)")
+    itemsize = 1 if top < 256 else 2 if top < 65536 else 4
+    return np.ascontiguousarray(rows, dtype=ROUTES_DTYPES[itemsize]).tobytes(), int(rows.shape[1]), itemsize
 
 
 class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -45,6 +60,13 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     schema_version: int = SCHEMA_VERSION
     teacher_logprobs: bytes = b""  # float32 LE, (num_tokens,) or empty: a teacher's logprob of each token
     # after the prompt (on-policy distillation, teacher.*; prompt positions 0), set by the rollout worker
+    # Rollout routing replay (MoE, train.routing_replay=rollout): the experts the server's router chose for
+    # every position the server ran, [0, num_tokens − 1) — the last token is sampled, never fed — as
+    # (positions, routed_experts_width) unsigned ints of routed_experts_itemsize bytes (1 for ≤ 256 experts):
+    # width = layers × top-k (SGLang's (token, layer, top_k) order). Empty: none recorded.
+    routed_experts: bytes = b""
+    routed_experts_width: int = 0
+    routed_experts_itemsize: int = 1
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -119,6 +141,22 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     def versions_np(self) -> np.ndarray:
         return np.frombuffer(self.versions, dtype=VERSIONS_DTYPE)
 
+    def routed_experts_np(self) -> np.ndarray | None:
+        """(num_tokens − 1, width) int64 expert ids the server routed each position to, or None."""
+        if not self.routed_experts:
+            return None
+        dt = ROUTES_DTYPES[self.routed_experts_itemsize]
+        return np.frombuffer(self.routed_experts, dtype=dt).reshape(-1, self.routed_experts_width).astype(np.int64)
+
+    def with_routes(self, rows: "np.ndarray | None") -> "Trajectory":
+        """This trajectory carrying `rows` ((num_tokens − 1, width) expert ids), packed in the smallest
+        unsigned dtype that holds them; None: unchanged."""
+        if rows is None:
+            return self
+        data, width, itemsize = pack_routes(rows)
+        return msgspec.structs.replace(self, routed_experts=data, routed_experts_width=width,
+                                       routed_experts_itemsize=itemsize)
+
     def teacher_logprobs_np(self) -> np.ndarray | None:
         """The teacher's logprobs (float32, aligned with the tokens), or None when no teacher scored it."""
         return np.frombuffer(self.teacher_logprobs, dtype=LOGPROBS_DTYPE) if self.teacher_logprobs else None
@@ -148,6 +186,11 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
                              f"entries for {n} tokens")
         if not 0 <= self.prompt_len <= n:
             raise ValueError(f"trajectory {self.traj_id}: prompt_len {self.prompt_len} outside [0, {n}]")
+        if self.routed_experts:
+            w, isz = self.routed_experts_width, self.routed_experts_itemsize
+            if isz not in ROUTES_DTYPES or w < 1 or len(self.routed_experts) != max(n - 1, 0) * w * isz:
+                raise ValueError(f"trajectory {self.traj_id}: routed_experts has {len(self.routed_experts)} bytes, want "
+                                 f"{max(n - 1, 0)} positions × width {w} × {isz} byte(s)")
 
 
 class TrajectoryGroup(msgspec.Struct, kw_only=True):

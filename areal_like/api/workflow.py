@@ -130,6 +130,10 @@ class TokenSequence:
         self.mask: list[int] = []
         self.turns = 0
         self.finish_reason = ""
+        # MoE rollout routing replay (ctx.routing): the experts each position was routed to, from position 0
+        self.routes: list[np.ndarray] = []
+        self.routes_n = 0
+        self.routes_ok = bool(ctx.routing)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
@@ -169,7 +173,15 @@ class TokenSequence:
             raise ValueError(f"no room left to generate ({len(self)} tokens of {self.ctx.max_total_tokens}): "
                              f"check `seq.room` first")
         res = await self.ctx.generate(self.all_ids, index=self.index, turn=self.turns, max_new_tokens=limit,
-                                      stop_token_ids=stop_token_ids)
+                                      stop_token_ids=stop_token_ids,
+                                      routed_experts_start_len=self.routes_n if self.routes_ok else None)
+        if self.routes_ok:  # this turn's positions (observations before it included: the server ran them)
+            r = res.extra.get("routed_experts")
+            if r is None:
+                self.routes_ok = False
+            else:
+                self.routes.append(r)
+                self.routes_n += len(r)
         self.append_generated(res.output_ids, res.output_logprobs, res.output_versions)
         self.turns += 1
         self.finish_reason = res.finish_reason
@@ -194,12 +206,15 @@ class TokenSequence:
 
     def to_trajectory(self, *, reward: float, finish_reason: str | None = None) -> Trajectory:
         ctx = self.ctx
+        # every position the servers ran, [0, len − 1), when each turn returned its routes
+        routes = (np.concatenate(self.routes) if self.routes_ok and self.routes and self.routes_n == len(self) - 1
+                  else None)
         return Trajectory.build(
             traj_id=f"{ctx.group_id}-{self.index}", group_id=ctx.group_id, prompt_id=ctx.row.prompt_id,
             prompt_ids=self.prompt_ids, output_ids=np.asarray(self.ids, dtype=np.int64),
             output_logprobs=self.logprobs, output_versions=self.versions, output_loss_mask=self.mask,
             reward=reward, finish_reason=finish_reason or self.finish_reason or "stop",
-            data_source=ctx.row.data_source)
+            data_source=ctx.row.data_source).with_routes(routes)
 
 
 # ---- what a workflow is given -------------------------------------------------------------------
@@ -224,6 +239,9 @@ class EpisodeContext:
     max_context_len: int = 512
     info: dict[str, Any] = field(default_factory=dict)
     """Per-group counters a workflow may add to (e.g. tool calls); logged with the dump."""
+    routing: bool = False
+    """MoE rollout routing replay (train.routing_replay=rollout): `TokenSequence.generate` asks the servers for
+    each position's routed experts and the trajectory carries them."""
 
     @property
     def n(self) -> int:
@@ -252,8 +270,9 @@ class EpisodeContext:
         return sample_seed(self.seed, self.group_id if turn == 0 else f"{self.group_id}/t{turn}", index)
 
     async def generate(self, input_ids: list[int], *, index: int, turn: int = 0, max_new_tokens: int | None = None,
-                       stop_token_ids: list[int] | None = None):
-        """One generation at the run's sampling settings (generation.temperature/top_p/top_k)."""
+                       stop_token_ids: list[int] | None = None, routed_experts_start_len: int | None = None):
+        """One generation at the run's sampling settings (generation.temperature/top_p/top_k);
+        `routed_experts_start_len`: also each position's routed experts from there (`GenerationClient.generate`)."""
         g = self.gen
         return await self.client.generate(
             list(input_ids), max_new_tokens=max_new_tokens or g.max_new_tokens, temperature=g.temperature,
@@ -261,7 +280,8 @@ class EpisodeContext:
             stop_token_ids=self.stop_token_ids if stop_token_ids is None else stop_token_ids,
             sampling_seed=self.sampling_seed(index, turn),
             rid=f"{self.group_id}-{index}" if turn == 0 else f"{self.group_id}-{index}.t{turn}",
-            key=self.group_id)  # a group's samples go to one server: the prompt's prefix is cached once
+            key=self.group_id,  # a group's samples go to one server: the prompt's prefix is cached once
+            **({} if routed_experts_start_len is None else {"routed_experts_start_len": routed_experts_start_len}))
 
     async def score(self, row: PromptRecord, text: str) -> float:
         """The row's reward of `text`: verifiable (built-in by data_source, or custom_reward_function)

@@ -131,6 +131,9 @@ DEMO_NAMES.update({"demo:calc-agent": f"calc-agent-v{_agent_task.WARM_START_VERS
                    "demo:calc-train": "calc-train.parquet", "demo:calc-val": "calc-val.parquet"})
 
 
+# The demo's tiny model as a mixture of experts (issue 44; data/tiny_model.py MOE_DEFAULTS): Qwen3-MoE's and
+# Qwen2-MoE's structure at the demo's size.
+DEMO_NAMES.update({"demo:tiny-qwen3-moe": "tiny-qwen3-moe", "demo:tiny-qwen2-moe": "tiny-qwen2-moe"})
 # The next-digit prompts with no answers (reward_model.style "model"): a task only a judge can grade.
 DEMO_NAMES.update({"demo:next-digit-open": "next-digit-open-train.parquet"})
 # The demo judge (configs/judge_demo.yaml, data/demo_judge.py): a tiny model trained to grade the next-digit
@@ -181,6 +184,8 @@ def resolve_demo_name(name: str, key: str) -> str:
     path = os.path.join(demo_cache_dir(), DEMO_NAMES[name])
     if name == "demo:tiny-qwen2":
         ensure_demo_assets(path, None)
+    elif name in ("demo:tiny-qwen3-moe", "demo:tiny-qwen2-moe"):
+        ensure_tiny_model(path, arch=name[len("demo:tiny-"):].replace("-", "_"))
     elif name == "demo:tiny-agent":
         ensure_tiny_model(path, agent=True)
     elif name in ("demo:next-digit", "demo:first-digit"):

@@ -134,6 +134,7 @@ def build_tiny_model(
     seed: int = 0,
     agent: bool = False,
     tokenizer: str = "char",
+    moe: dict | None = None,
 ) -> str:
     """Write a random tiny causal LM + char tokenizer to `out_dir` (HF layout, safetensors).
 
@@ -143,7 +144,10 @@ def build_tiny_model(
     a llama directory loads the tokenizer file as written.
 
     `tokenizer="qwen3"`: Qwen3's real tokenizer and chat template (`copy_qwen3_tokenizer`) and a qwen3
-    architecture by default, with Qwen3's 151,936 embedding rows."""
+    architecture by default, with Qwen3's 151,936 embedding rows.
+
+    `arch` "qwen3_moe" / "qwen2_moe": a mixture-of-experts model (`moe_config`; `moe` overrides its expert
+    settings), written in HF's per-expert checkpoint format (`save_pretrained`'s)."""
     if tokenizer not in ("char", "qwen3"):
         raise ValueError(f"unknown tiny-model tokenizer {tokenizer!r}: use 'char' or 'qwen3'")
     arch = arch or ("qwen3" if tokenizer == "qwen3" else "llama" if agent else "qwen2")
@@ -165,14 +169,16 @@ def build_tiny_model(
         pad_token_id=tok.pad_token_id,
         torch_dtype="float32",
     )
-    if arch == "qwen2":
+    if arch in MOE_ARCHS:  # a MoE model scaled down from its published config (moe_* below)
+        config, cls = moe_config(arch, common, head_dim=hidden_size // num_heads, **(moe or {}))
+    elif arch == "qwen2":
         config, cls = Qwen2Config(**common), Qwen2ForCausalLM
     elif arch == "llama":
         config, cls = LlamaConfig(**common), LlamaForCausalLM
     elif arch == "qwen3":
         config, cls = Qwen3Config(head_dim=hidden_size // num_heads, **common), Qwen3ForCausalLM
     else:
-        raise ValueError(f"unknown tiny-model arch {arch!r}: use 'qwen2', 'qwen3' or 'llama'")
+        raise ValueError(f"unknown tiny-model arch {arch!r}: use 'qwen2', 'qwen3', 'llama' or one of {MOE_ARCHS}")
     torch.manual_seed(seed)
     model = cls(config)
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -180,18 +186,42 @@ def build_tiny_model(
     return out_dir
 
 
+# ---- mixture-of-experts (issue 44) ------------------------------------------------------------------------
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+# The published configs' expert structure, scaled down for CPU: Qwen3-30B-A3B routes each token to 8 of 128
+# experts (no shared expert, normalised top-k weights); Qwen1.5-MoE-A2.7B / Qwen2-57B-A14B to 4 of 60/64 plus a
+# gated shared expert (top-k weights not normalised). The tiny ones keep the ratio of routed to total experts
+# small enough that routing matters: 2 of 8 (qwen3_moe), 2 of 8 plus a shared expert (qwen2_moe).
+MOE_DEFAULTS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+                "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=64, norm_topk_prob=False)}
+
+
+def moe_config(arch: str, common: dict, *, head_dim: int, **overrides):
+    """(config, model class) of a MoE `arch` with `common`'s dimensions: every layer sparse, no router aux loss
+    in the model's own loss (the learner computes the RL loss alone)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kw = {**common, **MOE_DEFAULTS[arch], **overrides, "decoder_sparse_step": 1, "mlp_only_layers": [],
+          "output_router_logits": False}
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=head_dim, **kw), Qwen3MoeForCausalLM
+    return Qwen2MoeConfig(**kw), Qwen2MoeForCausalLM
+
+
 # The model the demo's measured hyper-parameters were found with (examples/grpo_learnability.py).
 DEMO_MODEL_KWARGS = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                          tie_word_embeddings=False)
 
 
-def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, then=None) -> str:
+def ensure_tiny_model(model_dir: str, *, seed: int = 0, agent: bool = False, then=None, arch: str | None = None) -> str:
     """Build the tiny model (the demo's, or with `agent` the tool-use variant: JSON characters, tool-call
-    tokens, a chat template with tools) in `model_dir` unless it has one. `then(tmp_dir)` runs on the
+    tokens, a chat template with tools; with `arch`, that architecture — a MoE one: `MOE_ARCHS`) in `model_dir`
+    unless it has one. `then(tmp_dir)` runs on the
     fresh model before it is published (the agentic demo's warm start). Written to a temporary
     directory and renamed, so two launchers racing on first use never load a half-written model."""
     def build(tmp: str) -> None:
-        build_tiny_model(tmp, seed=seed, agent=agent, **DEMO_MODEL_KWARGS)
+        build_tiny_model(tmp, seed=seed, agent=agent, arch=arch, **DEMO_MODEL_KWARGS)
         if then is not None:
             then(tmp)
 

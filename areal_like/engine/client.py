@@ -54,6 +54,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,18 @@ class GenerationResult:
     extra: dict[str, Any] = field(default_factory=dict)
     num_failovers: int = 0  # times the request moved to another server because its server went DOWN
     num_timeouts: int = 0  # attempts that timed out and were sent again (see `max_timeout_retries`)
+
+
+def decode_routes(value: Any) -> "np.ndarray | None":
+    """SGLang's `meta_info.routed_experts` — base64 of int32 (positions, layers, top-k) — as flat int32 ids;
+    None when the reply has none."""
+    if value is None:
+        return None
+    import base64
+
+    if isinstance(value, str):
+        return np.frombuffer(base64.b64decode(value), dtype=np.int32)
+    return np.asarray(value, dtype=np.int32).reshape(-1)
 
 
 def parse_reply(reply: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
@@ -437,11 +450,18 @@ class GenerationClient:
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
                        sampling_seed: int | None = None, ignore_eos: bool = False, rid: str | None = None,
                        key: str | None = None, server: str | None = None,
-                       top_logprobs_num: int = 0) -> GenerationResult:
+                       top_logprobs_num: int = 0, routed_experts_start_len: int | None = None) -> GenerationResult:
         """Generate until stop/length, resubmitting across weight-update aborts and failing over to
         another server when this one goes down (see module doc). `top_logprobs_num` > 0: each output
         token's most likely tokens, SGLang's `output_top_logprobs` ([[logprob, id, text], …] per token),
-        are in `extra["output_top_logprobs"]`."""
+        are in `extra["output_top_logprobs"]`.
+
+        `routed_experts_start_len` (MoE; the servers run with --enable-return-routed-experts): SGLang's
+        `return_routed_experts` from that position of `input_ids` — `extra["routed_experts"]` is a (positions,
+        layers × top-k) int32 array of the experts each position was routed to, positions [start, prompt +
+        output − 1). A resubmission asks only for the positions it lacks, so each position keeps the route
+        of the forward that first ran it; positions a reply did not cover leave `extra["routed_experts"]`
+        None (the learner then routes those samples itself)."""
         if not input_ids:
             raise ValueError("input_ids is empty")
         rid = rid or uuid.uuid4().hex
@@ -451,6 +471,10 @@ class GenerationClient:
         out_lps: list[float] = []
         out_vers: list[int] = []
         out_tops: list[Any] = []
+        routes: list[np.ndarray] = []
+        routes_n = routed_experts_start_len or 0  # positions whose routes are known (from the caller's start)
+        routes_ok = routed_experts_start_len is not None
+        width = 0
         interruptions = failovers = timeouts = 0
         timed_out_on: list[str] = []
         t0 = time.perf_counter()
@@ -475,6 +499,9 @@ class GenerationClient:
                     body["lora_path"] = self.lora_name
                 if top_logprobs_num > 0:
                     body["top_logprobs_num"] = top_logprobs_num
+                if routes_ok:
+                    body["return_routed_experts"] = True
+                    body["routed_experts_start_len"] = routes_n
                 try:
                     reply = await self._attempt(url, body)
                 except GenerationTimeout as e:
@@ -514,6 +541,19 @@ class GenerationClient:
                 out_vers += [version] * len(ids)
                 if top_logprobs_num > 0:
                     out_tops += list(meta.get("output_top_logprobs") or [])[:len(ids)]
+                if routes_ok:
+                    flat = decode_routes(meta.get("routed_experts"))
+                    want = len(body["input_ids"]) + len(ids) - 1 - routes_n  # positions this reply adds
+                    if flat is not None and flat.size == 0 and not ids:
+                        pass  # aborted before it ran anything: nothing new
+                    elif flat is None or want <= 0 or flat.size % want or (width and flat.size // want != width):
+                        log.warning("rid=%s: %s returned %s route ids for %d new positions: this sample is trained "
+                                    "without routing replay", rid, url, "no" if flat is None else flat.size, want)
+                        routes_ok = False
+                    else:
+                        width = flat.size // want
+                        routes.append(flat.reshape(want, width))
+                        routes_n += want
                 fr = meta.get("finish_reason") or {}
                 ftype = fr.get("type") if isinstance(fr, dict) else str(fr)
                 if ftype == "abort":
@@ -533,7 +573,9 @@ class GenerationClient:
                                         prompt_tokens=len(input_ids), latency_s=time.perf_counter() - t0,
                                         matched_stop=fr.get("matched") if isinstance(fr, dict) else None,
                                         num_failovers=failovers, num_timeouts=timeouts,
-                                        extra={"output_top_logprobs": out_tops} if top_logprobs_num > 0 else {})
+                                        extra={**({"output_top_logprobs": out_tops} if top_logprobs_num > 0 else {}),
+                                               **({"routed_experts": np.concatenate(routes) if routes_ok and routes
+                                                   else None} if routed_experts_start_len is not None else {})})
         finally:
             self.inflight[url] -= 1
 

@@ -28,4 +28,6 @@ class GenOpts:
     top_logprobs_num: int = 0
     text_in_logprobs: bool = False
     stream: bool = False
+    return_routed_experts: bool = False  # MoE: each position's routed experts in meta_info (SGLang's field)
+    routed_experts_start_len: int = 0  # … from this position of the request's prompt (SGLang's field)
     input_logprobs: dict[int, tuple[list, list]] = field(default_factory=dict)  # prompt index → (token, top)

@@ -78,6 +78,12 @@ class Seq:
     # runner's slot (peft adapter name) it resolved to at admission; None = the base model
     lora_name: str | None = None
     lora: str | None = None
+    # return_routed_experts (MoE): the experts the routers chose at each position the engine ran, from
+    # position 0 — chunks of (positions, layers × top-k) int32 arrays; the first recording of a position
+    # is kept (a re-prefill after a retract does not replace it)
+    return_routes: bool = False
+    routes: list = field(default_factory=list)
+    routes_n: int = 0
 
     # Prefill input: prompt + tokens generated before a retract (the runner drops the KV on retract).
     @property
@@ -233,6 +239,14 @@ class ModelRunner:
             if max_lora_rank > 0 else None
         self.max_loras_per_batch = max_loras_per_batch
         self.deferred: list[Seq] = []
+        # MoE: each router's chosen experts, captured in the forwards of rows that asked for them
+        from areal_like.learner.moe import find_routers, routing_shape
+
+        self.routers = find_routers(self.model)
+        self.route_shape = routing_shape(self.config) if self.routers else (0, 0)
+        self._captured: dict[int, torch.Tensor] | None = None
+        for layer, router in self.routers:
+            router.register_forward_hook(lambda _m, _a, out, layer=layer: self._capture(layer, out))
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -409,6 +423,39 @@ class ModelRunner:
                    for i, s in enumerate(seqs)]
         return StepOutput(seqs, tokens, logprobs, finish, prefill_tokens, time.perf_counter() - t0, top)
 
+    # ---- routed experts (MoE; --enable-return-routed-experts) ---------------------------------------
+    def _capture(self, layer: int, out) -> None:
+        if self._captured is not None:
+            self._captured[layer] = out[-1]  # (tokens, top-k) expert ids
+
+    def _start_capture(self, seqs) -> bool:
+        on = bool(self.routers) and any(s.return_routes for s in seqs)
+        self._captured = {} if on else None
+        return on
+
+    def _take_captured(self) -> torch.Tensor:
+        """(tokens, layers × top-k) int32 ids of the forward just run (dense layers 0), on the host: one
+        device→host copy per forward, only in steps whose rows asked for routes."""
+        L, k = self.route_shape
+        first = next(iter(self._captured.values()))
+        out = torch.zeros(first.shape[0], L, k, dtype=torch.int32, device=first.device)
+        for layer, ids in self._captured.items():
+            out[:, layer, :] = ids
+        self._captured = None
+        return out.reshape(first.shape[0], L * k).cpu()
+
+    @staticmethod
+    def _add_routes(seq: Seq, start: int, rows) -> None:
+        """Routes of positions [start, start + len(rows)) of `seq`: the ones it lacks are appended."""
+        skip = seq.routes_n - start
+        if skip < 0:
+            raise RuntimeError(f"request {seq.rid}: routes of position {start} recorded before those of "
+                               f"{seq.routes_n}")
+        if skip < len(rows):
+            new = rows[skip:]
+            seq.routes.append(new.numpy() if hasattr(new, "numpy") else new)
+            seq.routes_n += len(new)
+
     def _decode(self):
         B, st, kv = len(self.rows), self.st, self.kv
         pos_B = st["next_pos"][:B]
@@ -416,9 +463,15 @@ class ModelRunner:
         kv.ensure(kv_len)
         kv.mode, kv.n_rows, kv.pos_B, kv.kv_len = "decode", B, pos_B, kv_len
         mask_B11L = (torch.arange(kv_len, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
+        capture = self._start_capture(self.rows)
         with self.adapters([s.lora for s in self.rows]):
             out = self.model(input_ids=st["last_tok"][:B, None], position_ids=pos_B[:, None],
                              attention_mask=self._mask(mask_B11L), past_key_values=kv, use_cache=True)
+        if capture:  # the fed token of row b sits at position pos_B[b]
+            ids, positions = self._take_captured(), pos_B.tolist()
+            for b, seq in enumerate(self.rows):
+                if seq.return_routes:
+                    self._add_routes(seq, positions[b], ids[b:b + 1])
         logits_BV = out.logits[:, -1, :]
         pos_B = pos_B + 1  # where the sampled token sits
         res = self._sample(logits_BV, slice(0, B), pos_B, st["gen_count"][:B])
@@ -448,7 +501,7 @@ class ModelRunner:
             T = max(len(p) for (p, _), _ in chunk)
             nxt = len(items[n + 1][0][0]) if n + 1 < len(items) else 0
             if n + 1 == len(items) or (len(chunk) + 1) * max(T, nxt) > self.max_prefill_tokens:
-                prefill_tokens += self._prefill_chunk(chunk, dst_all, logits_rows)
+                prefill_tokens += self._prefill_chunk(chunk, dst_all, logits_rows, admit)
                 chunk = []
         for members in groups.values():
             for j in members[1:]:
@@ -466,7 +519,7 @@ class ModelRunner:
         self.max_next_pos = max([self.max_next_pos] + lens)
         return prefill_tokens, res
 
-    def _prefill_chunk(self, chunk, dst_all, logits_rows) -> int:
+    def _prefill_chunk(self, chunk, dst_all, logits_rows, admit: list[Seq]) -> int:
         dev = self.device
         T = max(len(p) for (p, _), _ in chunk)
         pad = [T - len(p) for (p, _), _ in chunk]
@@ -490,6 +543,8 @@ class ModelRunner:
         kv.gather_PT = (t_T[None, :] + pad_P[:, None]).clamp_(max=T - 1)  # slot position t ← padded index t+pad
         kv.src_rows = torch.tensor(src_rows, dtype=torch.long, device=dev)
         kv.dst_slots = torch.tensor(dst_slots, dtype=torch.long, device=dev)
+        members_of = [[admit[j] for j in members] for _, members in chunk]  # each row's seqs (their routes)
+        capture = self._start_capture([s for ms in members_of for s in ms])
         try:
             with self.adapters([lora for (_, lora), _ in chunk]):
                 out = self.model(input_ids=ids_PT, position_ids=pos_PT,
@@ -497,6 +552,12 @@ class ModelRunner:
                                  past_key_values=kv, use_cache=True, logits_to_keep=1)
         finally:
             kv.mode = "decode"
+        if capture:  # row p's prompt sits at padded columns [pad_p, T): positions 0 … len − 1
+            ids_PTW = self._take_captured().reshape(len(chunk), T, -1)
+            for p, ms in enumerate(members_of):
+                for seq in ms:
+                    if seq.return_routes:
+                        self._add_routes(seq, 0, ids_PTW[p, pad[p]:])
         last_PV = out.logits[:, -1, :]
         for p, (_, members) in enumerate(chunk):
             for j in members:

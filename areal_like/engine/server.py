@@ -82,12 +82,13 @@ NOOP_PARAMS = {"json_schema": (None,), "regex": (None,), "ebnf": (None,), "struc
 # accepted at their no-op value only, GENERATE_META (request bookkeeping) with any value, anything
 # else is a 400 naming the field.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "lora_path"}
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "lora_path",
+                   "return_routed_experts", "routed_experts_start_len"}
 GENERATE_NOOP = {"input_embeds": (None,), "image_data": (None, []), "video_data": (None, []),
                  "audio_data": (None, []), "modalities": (None, []), "session_params": (None,),
                  "lora_id": (None,), "custom_logit_processor": (None,),
                  "token_ids_logprob": (None,), "return_hidden_states": (None, False),
-                 "return_routed_experts": (None, False), "return_entropy": (None, False),
+                 "return_entropy": (None, False),
                  "return_bytes": (None, False), "return_prompt_token_ids": (None, False),
                  "background": (None, False), "bootstrap_host": (None,), "bootstrap_port": (None,),
                  "bootstrap_room": (None,), "bootstrap_pair_key": (None,), "data_parallel_rank": (None, 0),
@@ -531,7 +532,14 @@ class GenerationServer:
                        logprob_start_len=list(lsl) if per_prompt_lsl else self._opt(body, "logprob_start_len", int, -1),
                        top_logprobs_num=self._opt(body, "top_logprobs_num", int, 0),
                        text_in_logprobs=self._opt(body, "return_text_in_logprobs", bool, False),
-                       stream=self._opt(body, "stream", bool, False))
+                       stream=self._opt(body, "stream", bool, False),
+                       return_routed_experts=self._opt(body, "return_routed_experts", bool, False),
+                       routed_experts_start_len=self._opt(body, "routed_experts_start_len", int, 0))
+        if opts.return_routed_experts:
+            if not self.args.enable_return_routed_experts:
+                raise BadRequest("return_routed_experts needs a server started with --enable-return-routed-experts")
+            if not self.runner.routers:
+                raise BadRequest(f"return_routed_experts: {self.args.model_path} is not a mixture-of-experts model")
         if opts.top_logprobs_num < 0:
             raise BadRequest("top_logprobs_num must be ≥ 0")
         opts.top_logprobs_num = min(opts.top_logprobs_num, self.runner.vocab_size)
@@ -557,9 +565,15 @@ class GenerationServer:
         else:
             rids_per_prompt = [rid] if not batch else [f"{rid}_{i}" for i in range(len(prompts))]
         lora_names = self.request_loras.names(body.get("lora_path"), len(prompts))
+        if opts.return_routed_experts:
+            for p in prompts:  # SGLang's rule: a start in [0, prompt tokens]
+                if not 0 <= opts.routed_experts_start_len <= len(p):
+                    raise BadRequest(f"routed_experts_start_len={opts.routed_experts_start_len} must be in [0, {len(p)}] "
+                                     "(the prompt's tokens)")
         jobs = self.make_jobs(prompts, params, rids_per_prompt, opts.top_logprobs_num)
         for j in jobs:
             j.seq.lora_name = lora_names[j.prompt_index]
+            j.seq.return_routes = opts.return_routed_experts
         return jobs, batch or len(jobs) > 1, opts, prompts
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -698,7 +712,21 @@ class GenerationServer:
                 meta["input_token_logprobs"] = lps
                 if opts.top_logprobs_num:
                     meta["input_top_logprobs"] = tops
+        if opts.return_routed_experts and final:
+            meta["routed_experts"] = self._routes_b64(seq, opts.routed_experts_start_len)
         return {"text": self.output_text(seq, job.sp, fr), "output_ids": out_ids, "meta_info": meta}
+
+    @staticmethod
+    def _routes_b64(seq: Seq, start: int) -> str:
+        """SGLang's `meta_info.routed_experts`: base64 of int32 (positions, layers, top-k) for positions
+        [start, prompt + output − 1) — every position the engine ran (the last token is sampled, never fed)."""
+        import base64
+
+        import numpy as np
+
+        end = len(seq.prompt_ids) + len(seq.output_ids) - 1
+        rows = np.concatenate(seq.routes) if seq.routes else np.zeros((0, 0), np.int32)
+        return base64.b64encode(np.ascontiguousarray(rows[start:max(end, start)], dtype=np.int32).tobytes()).decode()
 
     def output_text(self, seq: Seq, sp: dict[str, Any], finish_reason: dict[str, Any] | None) -> str:
         """Detokenized output; a matched stop (token or string) is trimmed unless no_stop_trim."""
@@ -851,6 +879,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "/continue_generation — a restarted server must not serve --model-path's weights to "
                         "rollouts before the learner pushed the current ones")
     # LoRA (SGLang's flag names)
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE: answer return_routed_experts (each position's routed experts; SGLang's flag)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter, lora_path)")
     p.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank served (with --enable-lora)")
     p.add_argument("--lora-target-modules", nargs="*", default=None,

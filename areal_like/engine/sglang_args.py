@@ -232,6 +232,7 @@ def build_sglang_servers(
     supported_flags: Collection[str] | None = None,
     secrets_file: str | None = None,
     component: str | None = None,
+    return_routed_experts: bool = False,
 ) -> list[SGLangServer]:
     """The launch commands of every generation server of ``placement``, in server order.
 
@@ -252,6 +253,8 @@ def build_sglang_servers(
     start: the learner's first push loads it.
     ``delta_loader`` (`weights.sync=delta`): a `delta_loader_dir`; ``--custom-weight-loader`` names the project's
     delta loader (weights/sglang_delta.py) and that directory goes first on the server's PYTHONPATH.
+    ``return_routed_experts`` (`train.routing_replay=rollout`, MoE): ``--enable-return-routed-experts``, so
+    /generate answers `return_routed_experts` with each position's routed experts.
     ``supported_flags``: the release's flags (`sglang_server_flags`); None = assume a current
     release. ``secrets_file``: where the keys go (required when a key is set): argv gets
     ``--config secrets_file`` and each process's `SGLangProcess.write_secrets` writes the keys there
@@ -386,6 +389,11 @@ def build_sglang_servers(
             common.append("--enable-fp32-lm-head")
         common += lora
         common += delta
+        if return_routed_experts:
+            if flags is not None and "--enable-return-routed-experts" not in flags:
+                raise SGLangArgsError("train.routing_replay=rollout needs SGLang's --enable-return-routed-experts, which "
+                                      "this SGLang release lacks: upgrade sglang or set train.routing_replay=behaviour")
+            common.append("--enable-return-routed-experts")
         if secrets:  # the keys themselves go into the 0600 file; argv names only the file
             common += ["--config", secrets_file]
         procs = []

@@ -43,6 +43,9 @@ class MicroBatch:
     targets_BT1C: torch.Tensor  # (B, T−1, NUM_CHANNELS) float32: per-token inputs of tokens 1..T−1
     rows: list[int]  # global sample indices, in row order
     num_tokens: list[int]  # real tokens per row
+    # routing replay (train.routing_replay): each position's expert ids as the server routed them,
+    # (B, T, layers × top-k) int64, −1 where none was recorded (the last token, padding); None: no replay
+    routes_BTW: torch.Tensor | None = None
 
     @property
     def loss_mask_BT1(self) -> torch.Tensor:
@@ -50,13 +53,16 @@ class MicroBatch:
 
 
 def pack(samples: list[Trajectory], rows: list[int], channels: dict[int, SampleArrays] | None = None, *,
-         micro_batch_tokens: int, pad_id: int, device: torch.device, single: bool = False) -> list[MicroBatch]:
+         micro_batch_tokens: int, pad_id: int, device: torch.device, single: bool = False,
+         routes: "dict[int, np.ndarray] | None" = None, routes_width: int = 0) -> list[MicroBatch]:
     """Right-padded micro-batches of `rows` whose padded size B×T stays within `micro_batch_tokens`.
 
     Rows are sorted by length (longest first, stable) and packed greedily, which keeps padding low
     and the split deterministic; a sample longer than the budget gets a micro-batch of its own.
     `single=True` packs all rows into one batch (a pipeline schedule splits it itself).
-    `channels`: extra per-token channels (CH_ADV, CH_PROX, …) as per-sample arrays.
+    `channels`: extra per-token channels (CH_ADV, CH_PROX, …) as per-sample arrays. `routes_width` > 0:
+    each micro-batch carries `routes` ({sample: (positions, routes_width) expert ids}, positions from 0; a
+    sample without an entry: none) as `MicroBatch.routes_BTW`.
     """
     channels = channels or {}
     order = sorted(rows, key=lambda i: -samples[i].num_tokens)
@@ -93,12 +99,24 @@ def pack(samples: list[Trajectory], rows: list[int], channels: dict[int, SampleA
                 if a is not None:
                     tgt[b, :n, ch] = a
         tgt[..., CH_ADV] *= tgt[..., CH_MASK]
+        routes_BTW = None
+        if routes_width and any(i in (routes or {}) for i in mb_rows):
+            r_BTW = np.full((B, T, routes_width), -1, dtype=np.int64)
+            for b, i in enumerate(mb_rows):
+                r = routes.get(i)
+                if r is not None:
+                    if r.shape[1] != routes_width:
+                        raise ValueError(f"trajectory {samples[i].traj_id}: routes of width {r.shape[1]}, this model "
+                                         f"routes layers × top-k = {routes_width} experts per position")
+                    r_BTW[b, :len(r)] = r
+            routes_BTW = torch.from_numpy(r_BTW).to(device)
         out.append(MicroBatch(
             input_ids_BT=torch.from_numpy(ids).to(device),
             # Drop position 0: it has no logit predicting it (see module docstring).
             targets_BT1C=torch.from_numpy(tgt[:, 1:].copy()).to(device),
             rows=mb_rows,
             num_tokens=[samples[i].num_tokens for i in mb_rows],
+            routes_BTW=routes_BTW,
         ))
     return out
 

@@ -30,7 +30,8 @@ own-format hooks are called only where `own_format` is set):
                           ways (`check_resume`, `foreign_checkpoint`)
 
 A model's converters are composed by a `Conversion` (the one object the seam passes around:
-`ShardedModel.conversion`). Converters here: `ValueHead` (the critic); learner/lora.py's adapter.
+`ShardedModel.conversion`). Converters here: `ValueHead` (the critic); learner/lora.py's adapter;
+learner/moe.py's `FusedExperts` (a MoE model's per-expert files read into transformers' fused experts).
 `parameters_on_meta` (load and convert build on the meta device) lives here, below both.
 
 What this module does not do: no building, no parallelism, no I/O of its own (converters bring theirs).
@@ -81,6 +82,7 @@ class BuildContext:
     param_offload: bool
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
+    tp: int = 1
 
     @property
     def trainable_dtype(self) -> torch.dtype:

@@ -126,9 +126,14 @@ def build_model(path: str, role: str, layout: ParallelLayout, *, train_cfg, comp
     trainable = role != "reference"
     conversion = Conversion(converters)
     build = BuildContext(role=role, trainable=trainable, dp=layout.dp, dp_sharding=dp_sharding,
-                         param_offload=param_offload, compute_dtype=compute_dtype, master_dtype=master_dtype)
+                         param_offload=param_offload, compute_dtype=compute_dtype, master_dtype=master_dtype,
+                         tp=layout.tp)
     stored = build.trainable_dtype if conversion.trainable_keys is None else compute_dtype
     hf = load_hf(path, dtype=stored)  # 1. load (the architecture, parameters on meta)
+    from areal_like.learner.moe import FusedExperts, is_moe
+
+    if is_moe(hf):  # transformers' fused experts, read from per-expert files (learner/moe.py)
+        conversion = Conversion((FusedExperts(), *conversion.converters))
     for c in conversion:
         c.check(build)
     for c in conversion:  # 2. convert

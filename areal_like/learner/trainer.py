@@ -235,6 +235,21 @@ class Trainer:
             for m in (self.actor, self.ref):
                 if m is not None and m.head is not None:
                     use_fp32_lm_head(m.head)
+        # MoE routing replay (train.routing_replay, learner/moe.py): the actor's routers patched to take given experts
+        self.routing_replay = train_cfg.routing_replay if self.actor is not None else "off"
+        self._replay = None
+        self._routes: dict[int, np.ndarray] = {}  # this step's routes per sample (rollout: recorded by the servers)
+        self._route_stats: list = [0.0, 0.0]  # (agreeing, replayed) positions × layers this step (device scalars)
+        if self.routing_replay != "off":
+            from areal_like.learner.moe import RouterReplay
+
+            if layout.pp > 1:
+                raise ValueError(f"train.routing_replay={self.routing_replay} with pipeline stages (p{layout.pp}): "
+                                 "replay through a pipeline schedule is not implemented; use p1 on the training side")
+            self._replay = RouterReplay(self.actor.stage_module, self.config)
+            if not self._replay.routers:
+                raise ValueError(f"train.routing_replay={self.routing_replay}: {model_path} is not a mixture-of-experts "
+                                 "model (no router to replay); set train.routing_replay=off")
         if self.is_rank0:
             log.info("learner precision: %s", self.precision_policy)
             if md == dtype != "float32":
@@ -322,8 +337,11 @@ class Trainer:
         forwards (and backwards) as the others — each one all-gathers and reduce-scatters over dp —
         so the shorter lists are filled up with `None` (a one-row padding batch that adds nothing)
         to the dp maximum (one small host all-reduce)."""
+        replay = self._replay is not None and shard is self.actor
         mbs: list[MicroBatch | None] = list(pack(samples, rows, channels, micro_batch_tokens=self.cfg.micro_batch_tokens,
-                                                 pad_id=self.pad_id, device=self.device))
+                                                 pad_id=self.pad_id, device=self.device,
+                                                 routes=self._routes if replay else None,
+                                                 routes_width=self._replay.layers * self._replay.top_k if replay else 0))
         if shard.fsdp:
             n = self._dp_max(len(mbs))
             mbs += [None] * (n - len(mbs))
@@ -355,7 +373,13 @@ class Trainer:
             else:
                 x = torch.empty(B, T, shard.config.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(x, group=L.pp_group, group_src=L.pp_rank - 1)
+            replay = self._replay is not None and shard is self.actor
+            if replay:
+                self._replay.set(mb.routes_BTW)
             y = shard.stage_module(x)
+            if replay:
+                self._record_routes(mb)
+                self._replay.set(None)
             if L.is_last_stage:
                 out = keep(mb, y)  # a padding micro-batch too: a vocab-parallel head is collective over dp
                 if mb.rows:
@@ -375,6 +399,38 @@ class Trainer:
             return lp
 
         return self._forward_only(shard, samples, rows, keep)
+
+    def _measure_routing(self, samples: list[Trajectory]) -> tuple[float, float]:
+        """train.routing_replay_measure: (mean |Δ log p| with the servers' routes, the same without) over the loss
+        tokens of this step's samples that carry routes, the step's starting weights, summed over dp. Two
+        forward-only passes over those samples."""
+        rows = sorted(self._routes)
+        replayed = self._forward_logprobs(self.actor, samples, rows)
+        saved, self._routes = self._routes, {}  # the actor's own router
+        own = self._forward_logprobs(self.actor, samples, rows)
+        self._routes = saved
+        t = torch.zeros(3, dtype=torch.float64)
+        for i in rows:
+            if i in replayed:  # the last stage's (p1: every rank's)
+                m = samples[i].mask_np().astype(np.float64)
+                m[0] = 0.0
+                b = samples[i].logprobs_np().astype(np.float64)
+                t[0] += float((np.abs(replayed[i] - b) * m).sum())
+                t[1] += float((np.abs(own[i] - b) * m).sum())
+                t[2] += float(m.sum())
+        t = self._dp_sum(t)
+        n = float(t[2])
+        return (float(t[0]) / n, float(t[1]) / n) if n else (float("nan"), float("nan"))
+
+    def _record_routes(self, mb: MicroBatch) -> None:
+        """train.routing_replay=behaviour, in the pass that records: the experts the actor's routers chose
+        for each position of this micro-batch's rows (positions [0, n − 1), as the servers record them)."""
+        if self.routing_replay != "behaviour" or mb.routes_BTW is not None or not mb.rows:
+            return
+        B, T = mb.input_ids_BT.shape
+        ids = self._replay.recorded().reshape(B, T, -1).cpu().numpy()
+        for b, (i, n) in enumerate(zip(mb.rows, mb.num_tokens)):
+            self._routes[i] = ids[b, :n - 1]
 
     def _forward_values(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int]) -> SampleArrays:
         return self._forward_only(shard, samples, rows, lambda mb, v_BT1: v_BT1[:, :-1, 0])
@@ -583,13 +639,21 @@ class Trainer:
     def _forward_backward_inner(self, shard: ShardedModel, samples: list[Trajectory], rows: list[int],
                                 channels: dict[int, SampleArrays], loss_fn) -> None:
         if self.layout.pp == 1:
+            replay = self._replay is not None and shard is self.actor
             for mb in self._micro_batches(shard, samples, rows, channels):
                 mb = mb or self._filler()
+                if replay:  # kept through backward: checkpointed layers run their routers again there
+                    self._replay.set(mb.routes_BTW)
                 y = shard.stage_module(mb.input_ids_BT)
+                agree = self._replay.agreement() if replay else None
+                if agree is not None:  # device scalars, summed; read once at the step's end
+                    self._route_stats = [self._route_stats[0] + agree[0], self._route_stats[1] + agree[1]]
                 loss = loss_fn(y, mb.targets_BT1C)
                 if not loss.requires_grad:  # no loss position in this micro-batch: a zero gradient, so
                     loss = loss + 0.0 * y.float().sum()  # the backward (and FSDP's reduce-scatter) still runs
                 loss.backward()
+                if replay:
+                    self._replay.set(None)
             return
         self._pipeline_forward_backward(shard, samples, rows, channels, loss_fn)
 
@@ -696,8 +760,15 @@ class Trainer:
         # sampling judges under standard PPO (one optimizer step computes it in its own forward)
         recompute = len(mbs) * cfg.ppo_epochs > 1 and (
             cfg.proximal == "recompute" or (cfg.proximal == "behaviour" and self.rejection is not None))
-        if recompute:
+        self._routes = {}
+        if self.routing_replay == "rollout":  # the experts each server chose, as the trajectories carry them
+            self._routes = {i: r for i in mine if (r := samples[i].routed_experts_np()) is not None}
+        if recompute:  # (routing_replay=behaviour: its forward records the routes of the step's starting weights)
             channels[CH_PROX] = self._forward_logprobs(self.actor, samples, mine)
+        elif self.routing_replay == "behaviour":  # one forward pass records them
+            self._forward_only(self.actor, samples, mine, lambda mb, y: y[:, :-1, 0])
+        routing_dlogp = self._measure_routing(samples) if (
+            self.routing_replay == "rollout" and cfg.routing_replay_measure) else (None, None)
         if self.ref is not None:
             channels[CH_REF] = self._forward_logprobs(self.ref, samples, mine)
         elif self.ref_is_base:
@@ -755,6 +826,12 @@ class Trainer:
             value_losses, critic_norms, critic_lr = self._remote_trained()
         self.step += 1
         self.version = version
+        route_agreement = None
+        if self._replay is not None:  # over the step's replayed positions × layers, summed over dp
+            t = self._dp_sum(torch.stack([torch.as_tensor(x).double().cpu() for x in self._route_stats]))
+            route_agreement = float(t[0] / t[1]) if float(t[1]) > 0 else float("nan")
+            self._route_stats = [0.0, 0.0]
+            self._routes = {}
         # 5. stats: means over the step's optimizer steps (token-weighted within each), maxima overall
         st = dict(zip(_SUM_STATS, (sums_total / max(n_opt, 1)).tolist()))
         mx = dict(zip(_MAX_STATS, maxes_total.tolist()))
@@ -779,6 +856,8 @@ class Trainer:
             mismatch_tokens=int(round(mm_n)),
             kl_ref=st["kl_ref"] if self.has_ref else None,
             teacher_kl=self._teacher_kl if self.teacher is not None else None,
+            routing_agreement=route_agreement,
+            routing_dlogp_replayed=routing_dlogp[0], routing_dlogp_own=routing_dlogp[1],
             value_loss=float(np.mean(value_losses)) if value_losses else None,
             critic_grad_norm=float(np.mean(critic_norms)) if critic_norms else None,
             lr=lr, critic_lr=critic_lr if self.trains_critic else None,

@@ -78,7 +78,9 @@ class WorkflowRunner:
         c = self.cfg
         return EpisodeWorkflow(episode, self.client, self.reward_fn, c.generation, self.tokenizer,
                                producer=self.producer, seed=c.seed, multi_turn=c.rollout.multi_turn, tools=self.tools,
-                               max_context_len=c.resolved_max_context_len(), name=name)
+                               max_context_len=c.resolved_max_context_len(), name=name,
+                               # train.routing_replay=rollout: every generation records its routed experts
+                               routing=c.train.routing_replay == "rollout")
 
     async def proxy(self):
         """The worker's one agent proxy, started by the first agent group (concurrent first groups wait

@@ -36,7 +36,7 @@ class EpisodeWorkflow:
 
     def __init__(self, episode, client, reward_fn, gen_cfg: GenerationConfig, tokenizer, *, producer: str,
                  seed: int | None = None, multi_turn: MultiTurnConfig | None = None, tools: Any = None,
-                 max_context_len: int = 512, name: str = ""):
+                 max_context_len: int = 512, name: str = "", routing: bool = False):
         self.episode = episode
         self.client = client
         self.reward_fn = reward_fn
@@ -47,12 +47,14 @@ class EpisodeWorkflow:
         self.multi_turn = multi_turn or MultiTurnConfig()
         self.tools = tools
         self.max_context_len = max_context_len
+        self.routing = routing
         self.name = name or getattr(episode, "__name__", "episode")
 
     def context(self, record: PromptRecord, group_id: str) -> EpisodeContext:
         return EpisodeContext(client=self.client, tokenizer=self.tokenizer, reward=self.reward_fn, gen=self.gen_cfg,
                               multi_turn=self.multi_turn, row=record, group_id=group_id, tools=self.tools,
-                              seed=self.seed, producer=self.producer, max_context_len=self.max_context_len)
+                              seed=self.seed, producer=self.producer, max_context_len=self.max_context_len,
+                              routing=self.routing)
 
     async def run_group(self, record: PromptRecord, group_id: str) -> TrajectoryGroup | None:
         out = await self.episode(self.context(record, group_id), record)

@@ -363,7 +363,9 @@ class Recorder:
             return
         sp = dict(obj.sampling_params or {}) if isinstance(obj.sampling_params, dict) else {}
         self._event("generate", rid=obj.rid, input_ids=obj.input_ids, sampling_params=sp, paused=self.paused,
-                    return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len)
+                    return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
+                    return_routed_experts=obj.return_routed_experts,
+                    routed_experts_start_len=obj.routed_experts_start_len)
         await self._unpaused_event().wait()  # SGLang holds new requests while paused
         if obj.lora_path:  # as SGLang does: after the pause wait, SGLang's own resolution
             try:
@@ -385,6 +387,15 @@ class Recorder:
         if obj.return_logprob and start is not None and start >= 0:  # SGLang's shape: the first token has none
             meta["input_token_logprobs"] = [[None if k == 0 else -0.25 - 0.01 * k, t, None]
                                             for k, t in enumerate(obj.input_ids or []) if k >= start]
+        if obj.return_routed_experts:  # MoE routing replay: SGLang's own encoding of (positions, layers, top-k)
+            import torch
+            from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+            start = obj.routed_experts_start_len
+            positions = torch.arange(start, len(obj.input_ids or []) + n - 1, dtype=torch.int32)  # [start, seqlen − 1)
+            routes = (positions[:, None, None] * 7 + torch.arange(2, dtype=torch.int32)[None, :, None] * 3
+                      + torch.arange(2, dtype=torch.int32)[None, None, :]) % 8  # 2 layers × top-2 of 8 experts
+            meta["routed_experts"] = DetokenizerManager._b64_encode_per_request([routes])[0]
         yield {"text": "", "output_ids": out, "meta_info": meta}
 
     def create_abort_task(self, obj):

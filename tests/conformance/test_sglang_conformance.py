@@ -106,13 +106,15 @@ class Harness:
 
 
 def start_harness(tmp_path, model_dir, flags, *, extra_args=(), drop_routes=(), env=None,
-                  allocation="sglang:d1+fsdp:d1", lora_rank=0, lora_targets=(), delta_loader=False) -> Harness:
+                  allocation="sglang:d1+fsdp:d1", lora_rank=0, lora_targets=(), delta_loader=False,
+                  return_routed_experts=False) -> Harness:
     """Start SGLang's app with the argv and env the launcher builds; wait for its /health."""
     plan = place(allocation, None, 8)
     (server,) = build_sglang_servers(plan, model_path=model_dir, ports=[free_port()], seeds=11, api_key=API,
                                      admin_api_key=ADMIN, python=PY, supported_flags=flags,
                                      lora_rank=lora_rank, lora_targets=lora_targets,
                                      delta_loader=delta_loader_dir(str(tmp_path)) if delta_loader else None,
+                                     return_routed_experts=return_routed_experts,
                                      extra_args=["--context-length", "256", *extra_args],
                                      secrets_file=str(tmp_path / "sglang-secrets.yaml"))
     (proc,) = server.processes
@@ -835,3 +837,33 @@ def test_a_teachers_scoring_request_is_sglangs_batched_generate_with_per_sequenc
     gens = [e for e in h.record()["events"] if e["kind"] == "generate"]
     assert [(e["input_ids"], e["logprob_start_len"], e["return_logprob"], e["sampling_params"]["max_new_tokens"])
             for e in gens] == [(ids, st, True, 0) for ids, st in zip(seqs, starts)]
+
+
+def _routes(positions, layers=2, top_k=2) -> list[list[int]]:
+    """The harness's routes (sglang_harness.py): expert (p·7 + l·3 + j) mod 8 at position p, layer l, slot j."""
+    return [[(p * 7 + l * 3 + j) % 8 for l in range(layers) for j in range(top_k)] for p in positions]
+
+
+def test_routed_experts_are_asked_for_and_read_as_sglang_defines_them(harness):
+    """Issue 44 item 2: rollout routing replay against SGLang 0.5.23. The launcher's `--enable-return-routed-experts`
+    is taken by SGLang's parser (the harness started); the client's `return_routed_experts` and
+    `routed_experts_start_len` are SGLang's own request fields (its GenerateReqInput read them); and the reply —
+    encoded by SGLang's own DetokenizerManager, base64 of int32 (positions, layers, top-k) for positions
+    [start, prompt + output − 1) — is read back into one row per position (layers × top-k ids)."""
+    h = harness(return_routed_experts=True)
+    assert "--enable-return-routed-experts" in h.server.processes[0].argv
+
+    async def go():
+        async with GenerationClient([h.url], api_key=API) as client:
+            whole = await client.generate([3, 4, 5], max_new_tokens=4, routed_experts_start_len=0)
+            tail = await client.generate([3, 4, 5, 6, 7], max_new_tokens=2, routed_experts_start_len=4)
+            plain = await client.generate([3, 4, 5], max_new_tokens=2)
+            return whole, tail, plain
+
+    whole, tail, plain = asyncio.run(go())
+    assert whole.extra["routed_experts"].tolist() == _routes(range(0, 3 + 4 - 1))
+    assert tail.extra["routed_experts"].tolist() == _routes(range(4, 5 + 2 - 1))
+    assert "routed_experts" not in plain.extra
+    gens = [e for e in h.record()["events"] if e["kind"] == "generate"]
+    assert [(e["return_routed_experts"], e["routed_experts_start_len"]) for e in gens] == [(True, 0), (True, 4),
+                                                                                          (False, 0)]

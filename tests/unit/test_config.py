@@ -60,3 +60,15 @@ def test_restart_budgets_per_role(tmp_path):
         load_config(None, ["launcher.max_restarts.learner=1", "train.save_freq=0"])
     with pytest.raises(ConfigError, match="max_restarts"):
         load_config(None, ["launcher.max_restarts.workers=1"])  # unknown role: named
+
+
+def test_routing_replay_off_survives_yamls_boolean_reading(tmp_path):
+    """`train.routing_replay: off` — YAML 1.1 reads a bare `off` as false; the option is the string "off",
+    from the file and from an override alike; a typo is refused naming the choices."""
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  routing_replay: off\n")
+    assert load_config(str(p)).train.routing_replay == "off"
+    assert load_config(None, ["train.routing_replay=off"]).train.routing_replay == "off"
+    assert load_config(None, ["train.routing_replay=rollout"]).train.routing_replay == "rollout"
+    with pytest.raises(ConfigError, match="routing_replay"):
+        load_config(None, ["train.routing_replay=r3"])

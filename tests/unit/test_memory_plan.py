@@ -39,6 +39,32 @@ def test_parameter_count_matches_published_models(cfg: dict[str, Any], total: in
     assert ModelShape.from_config(cfg).count_params() == total
 
 
+# Issue 44: published MoE shapes (Qwen3-30B-A3B's and Qwen1.5-MoE-A2.7B's config.json)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                     decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+QWEN15_MOE_A27B = dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                       shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+                       num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+                       tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+@pytest.mark.parametrize(("cfg", "active_b"), [(QWEN3_30B_A3B, 3.3), (QWEN15_MOE_A27B, 2.7)])
+def test_moe_parameter_counts_are_transformers_own(cfg: dict[str, Any], active_b: float) -> None:
+    """The planner's count of a MoE model equals the parameters transformers builds from the published config
+    (on the meta device: no memory), and its active count is the name's (30B-A3B: 3.3 B active)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    shape = ModelShape.from_config(cfg)
+    assert shape.count_params() == sum(p.numel() for p in model.parameters())
+    assert abs(shape.active_params() / 1e9 - active_b) < 0.1
+    assert shape.experts == cfg["num_experts"] and shape.sparse_layers == cfg["num_hidden_layers"]
+
+
 def test_stage_and_tp_split_covers_the_model() -> None:
     """pp stages partition the parameters; tp shards the projections and keeps norms/embeddings whole."""
     m = ModelShape.from_config(QWEN25_7B)

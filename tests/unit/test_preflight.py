@@ -215,3 +215,18 @@ def test_rows_a_reward_model_grades_need_a_judge_whose_grade_is_the_reward(tmp_p
     _checked(model, path, f"custom_reward_function.path={script}")
     # rows graded by their rule are not concerned (every other test here)
     _checked(model, _write(tmp_path / "rule.parquet", [_row("1")]))
+
+
+def test_routing_replay_needs_a_moe_model_and_a_moe_model_needs_embedded_servers(tmp_path, demo_assets):
+    """Issue 44: `train.routing_replay` on a dense model, and a MoE model on SGLang servers (whose per-expert weight
+    layout the push does not write yet), are refused before anything starts, naming the key."""
+    from areal_like.data.tiny_model import build_tiny_model
+
+    model, data = demo_assets
+    with pytest.raises(PreflightError, match=r"train.routing_replay=rollout .* has no experts .* "
+                                             r"set train.routing_replay=off"):
+        resolve_and_check(cfg_with(f"model.path={model}", f"data.train_files=[{data}]", "train.routing_replay=rollout"))
+    moe = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe")
+    resolve_and_check(cfg_with(f"model.path={moe}", f"data.train_files=[{data}]", "train.routing_replay=rollout"))
+    with pytest.raises(PreflightError, match=r"mixture-of-experts model and the generation servers are SGLang's"):
+        resolve_and_check(cfg_with(f"model.path={moe}", f"data.train_files=[{data}]", "allocation=sglang.d1p1t1+d1p1t1"))
