@@ -61,9 +61,10 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     teacher_logprobs: bytes = b""  # float32 LE, (num_tokens,) or empty: a teacher's logprob of each token
     # after the prompt (on-policy distillation, teacher.*; prompt positions 0), set by the rollout worker
     # Rollout routing replay (MoE, train.routing_replay=rollout): the experts the server's router chose for
-    # every position the server ran, [0, num_tokens − 1) — the last token is sampled, never fed — as
-    # (positions, routed_experts_width) unsigned ints of routed_experts_itemsize bytes (1 for ≤ 256 experts):
-    # width = layers × top-k (SGLang's (token, layer, top_k) order). Empty: none recorded.
+    # the positions the server ran, [0, m) with m ≤ num_tokens − 1 (the last token is sampled, never fed; a
+    # trailing observation of a multi-turn episode was never run either) — as (m, routed_experts_width) unsigned
+    # ints of routed_experts_itemsize bytes (1 for ≤ 256 experts): width = layers × top-k (SGLang's (token,
+    # layer, top_k) order). Empty: none recorded.
     routed_experts: bytes = b""
     routed_experts_width: int = 0
     routed_experts_itemsize: int = 1
@@ -142,15 +143,15 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
         return np.frombuffer(self.versions, dtype=VERSIONS_DTYPE)
 
     def routed_experts_np(self) -> np.ndarray | None:
-        """(num_tokens − 1, width) int64 expert ids the server routed each position to, or None."""
+        """(m, width) int64 expert ids the server routed positions [0, m) to (m ≤ num_tokens − 1), or None."""
         if not self.routed_experts:
             return None
         dt = ROUTES_DTYPES[self.routed_experts_itemsize]
         return np.frombuffer(self.routed_experts, dtype=dt).reshape(-1, self.routed_experts_width).astype(np.int64)
 
     def with_routes(self, rows: "np.ndarray | None") -> "Trajectory":
-        """This trajectory carrying `rows` ((num_tokens − 1, width) expert ids), packed in the smallest
-        unsigned dtype that holds them; None: unchanged."""
+        """This trajectory carrying `rows` ((m, width) expert ids of positions [0, m), m ≤ num_tokens − 1), packed
+        in the smallest unsigned dtype that holds them; None: unchanged."""
         if rows is None:
             return self
         data, width, itemsize = pack_routes(rows)
@@ -188,8 +189,9 @@ class Trajectory(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
             raise ValueError(f"trajectory {self.traj_id}: prompt_len {self.prompt_len} outside [0, {n}]")
         if self.routed_experts:
             w, isz = self.routed_experts_width, self.routed_experts_itemsize
-            if isz not in ROUTES_DTYPES or w < 1 or len(self.routed_experts) != max(n - 1, 0) * w * isz:
-                raise ValueError(f"trajectory {self.traj_id}: routed_experts has {len(self.routed_experts)} bytes, want "
+            nb = len(self.routed_experts)
+            if isz not in ROUTES_DTYPES or w < 1 or nb % (w * isz) or nb // (w * isz) > max(n - 1, 0):
+                raise ValueError(f"trajectory {self.traj_id}: routed_experts has {nb} bytes, want at most "
                                  f"{max(n - 1, 0)} positions × width {w} × {isz} byte(s)")
 
 

@@ -206,8 +206,9 @@ class TokenSequence:
 
     def to_trajectory(self, *, reward: float, finish_reason: str | None = None) -> Trajectory:
         ctx = self.ctx
-        # every position the servers ran, [0, len − 1), when each turn returned its routes
-        routes = (np.concatenate(self.routes) if self.routes_ok and self.routes and self.routes_n == len(self) - 1
+        # the positions the servers ran, [0, routes_n), when each turn returned its routes (a trailing observation
+        # no server ran is routed by the learner itself)
+        routes = (np.concatenate(self.routes) if self.routes_ok and self.routes and self.routes_n <= len(self) - 1
                   else None)
         return Trajectory.build(
             traj_id=f"{ctx.group_id}-{self.index}", group_id=ctx.group_id, prompt_id=ctx.row.prompt_id,
