@@ -65,16 +65,25 @@ def _sglang_cmdlines(seen: dict[int, str], stop: threading.Event, learners: dict
 def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_assets, lora):
     """With `model.lora_rank` (issue 28) the same run also starts SGLang with runtime LoRA flags, which
     SGLang's parser takes (its LoRA checks, which run after the model config loads, run in
-    tests/conformance: this server stops at its torchvision import first)."""
+    tests/conformance: this server stops at its torchvision import first).
+
+    The full-weights run also has a judge and a teacher pool served by SGLang (issue 43 items 3 and 4,
+    `sglang[judge]:d1`, `sglang[teacher]:d1`): real SGLang servers of their own model_path (here the demo model
+    under another directory name), on their plan devices, with the keys in a 0600 --config file of their own
+    and nothing of a policy server's: no weight-update flags, no LoRA, no delta loader (`_check_aux_servers`)."""
     if not os.path.exists(PY):
         pytest.fail(f"no SGLang conformance environment at {PY}: run scripts/setup.sh")
     model, data = demo_assets
     run_dir = tmp_path / "run"
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "nvidia-smi").write_text("#!/bin/sh\necho '0, 81559'\necho '1, 81559'\n")
+    (bindir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(f"echo '{i}, 81559'\n" for i in range(4)))
     (bindir / "nvidia-smi").chmod(0o755)
     env = {"PATH": os.pathsep.join([str(bindir), os.environ.get("PATH", "")])}
+    aux_model = tmp_path / "aux_model"  # its own path, so its command lines are told apart from the policy's
+    aux_model.symlink_to(model, target_is_directory=True)
+    allocation = "sglang.d1p1t1+d1p1t1" if lora else "sglang[rollout]:d1+fsdp[actor]:d1+sglang[judge]:d1+sglang[teacher]:d1"
+    aux = [] if lora else [f"judge.model_path={aux_model}", f"teacher.model_path={aux_model}", "judge.max_context_len=96"]
     seen: dict[int, str] = {}
     stop = threading.Event()
     learners: dict[int, dict] = {}
@@ -82,7 +91,7 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
     watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop, learners, server_envs), daemon=True)
     watcher.start()
     try:
-        rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--allocation", "sglang.d1p1t1+d1p1t1",
+        rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--allocation", allocation, *aux,
                                "--run-dir", str(run_dir), f"model.path={model}", f"data.train_files=[{data}]",
                                f"server.python={PY}", "server.api_key=user-key-0123456789", "train.total_steps=1",
                                "metrics.prometheus=false",
@@ -127,44 +136,14 @@ def test_sglang_servers_get_their_keys_from_a_0600_file_not_argv(tmp_path, demo_
         assert sorted(p.name for p in loader_dir.iterdir()) == ["areal_like"]
         assert (loader_dir / "areal_like").resolve() == ROOT / "areal_like"
         assert envs and all(e.get("PYTHONPATH", "").split(os.pathsep)[0] == str(loader_dir) for e in envs), envs
+        _check_aux_servers(run_dir, seen, aux_model, out)
 
 
-
-def test_sglang_judge_and_teacher_servers_serve_their_own_models(tmp_path, demo_assets):
-    """Issue 43 items 3 and 4: `sglang[judge]:d1` and `sglang[teacher]:d1` start real SGLang servers of their own
-    model_path (here the demo model under another directory name), on their plan devices, with the keys in a
-    0600 --config file of their own and nothing of a policy server's: no weight-update flags, no LoRA, no delta
-    loader. SGLang's parser takes the argv; on this GPU-less machine each then exits (no torchvision here), and
-    the launcher's health wait stops the run, naming the judge server that exited while starting."""
-    if not os.path.exists(PY):
-        pytest.fail(f"no SGLang conformance environment at {PY}: run scripts/setup.sh")
-    model, data = demo_assets
-    aux_model = tmp_path / "aux_model"  # its own path, so its command line is told apart from the policy's
-    aux_model.symlink_to(model, target_is_directory=True)
-    run_dir = tmp_path / "run"
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "nvidia-smi").write_text("#!/bin/sh\n" + "".join(f"echo '{i}, 81559'\n" for i in range(4)))
-    (bindir / "nvidia-smi").chmod(0o755)
-    env = {"PATH": os.pathsep.join([str(bindir), os.environ.get("PATH", "")])}
-    seen: dict[int, str] = {}
-    stop = threading.Event()
-    watcher = threading.Thread(target=_sglang_cmdlines, args=(seen, stop), daemon=True)
-    watcher.start()
-    try:
-        rc, out = launcher_cli("run", "--config", "configs/demo.yaml", "--run-dir", str(run_dir),
-                               "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+sglang[judge]:d1+sglang[teacher]:d1",
-                               f"model.path={model}", f"data.train_files=[{data}]", f"server.python={PY}",
-                               f"judge.model_path={aux_model}", f"teacher.model_path={aux_model}",
-                               "judge.max_context_len=96", "server.api_key=user-key-0123456789",
-                               "metrics.prometheus=false", env=env, timeout=600)
-    finally:
-        stop.set()
-        watcher.join()
-    assert rc != 0 and "judge server 0 at http" in out and "exited with 1 while starting" in out, out[-3000:]
+def _check_aux_servers(run_dir, seen: dict[int, str], aux_model, out: str) -> None:
+    """The judge's and the teacher's SGLang servers of the run (`sglang[judge]:d1`, `sglang[teacher]:d1`)."""
     mine = [cmd for cmd in seen.values() if f"--model-path {aux_model} " in cmd]
     assert len(mine) == 2, (seen, out[-2000:])
-    by_role = {("judge" if f"sglang-secrets-judge.yaml" in cmd else "teacher"): cmd for cmd in mine}
+    by_role = {("judge" if "sglang-secrets-judge.yaml" in cmd else "teacher"): cmd for cmd in mine}
     assert set(by_role) == {"judge", "teacher"}, mine
     for role, cmd in by_role.items():
         secrets = run_dir / f"sglang-secrets-{role}.yaml"
@@ -178,3 +157,5 @@ def test_sglang_judge_and_teacher_servers_serve_their_own_models(tmp_path, demo_
     # the plan's devices (rollout 0, actor 1, judge 2, teacher 3) and each one's context length
     assert "--base-gpu-id 2" in by_role["judge"] and "--context-length 96 " in by_role["judge"] + " "
     assert "--base-gpu-id 3" in by_role["teacher"] and "--context-length 96 " not in by_role["teacher"] + " "
+
+
