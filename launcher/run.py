@@ -119,8 +119,8 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
             f"allocation {cfg.allocation!r} names components `launcher run` does not start yet: {names}. A run "
             f"starts one rollout pool ({gen.backend}[{gen.name}]), one actor pool ({train.backend}[{train.name}]), "
             "at most one critic pool (fsdp[critic]:dN, algorithm.adv_estimator=gae; without it the critic trains "
-            "inside the actor's ranks), one judge pool (embedded[judge]:dN) and one teacher pool "
-            "(embedded[teacher]:dN); the reference model runs inside the actor's process: remove the other "
+            "inside the actor's ranks), one judge pool (embedded[judge]:dN or sglang[judge]:…) and one teacher pool "
+            "(embedded[teacher]:dN or sglang[teacher]:…); the reference model runs inside the actor's process: remove the other "
             "components from --allocation"
         )
     for c in aux:
