@@ -3,7 +3,7 @@ names it as AReaL does (`fsdp[critic]:d2`, its own devices; `fsdp[actor]:d1|fsdp
 the actor); the launcher starts its ranks (`critic`, `critic1`: learner/critic_pool.py), the actor's step asks
 them for V_old and they train on its returns. One of its ranks is killed mid-run: the learner pool and the
 critic pool restart together from the latest checkpoint (one budget, launcher.max_restarts.learner), and the
-run still learns (train.stop_reward 0.8, held-out ≥ THRESHOLD).
+run still learns (train.stop_reward 0.9, held-out ≥ THRESHOLD).
 
 The numbers (the same value losses as the critic inside the actor's process) and the checkpoint's two parts are
 checked in tests/integration/test_critic_pool.py."""
@@ -18,7 +18,7 @@ from conftest import launcher_run_killing
 
 pytestmark = pytest.mark.integration
 
-THRESHOLD = 0.7  # held-out accuracy (val/all/mean@4 on the 32 held-out prompts); from a random init ~0.02
+THRESHOLD = 0.6  # held-out accuracy (val/all/mean@4 on the 32 held-out prompts); from a random init ~0.02
 GAE = ("algorithm.adv_estimator=gae", "critic.lr=1e-2", "train.lr=2e-3")
 
 
@@ -33,7 +33,7 @@ def test_a_critic_on_its_own_pool_learns_the_demo_with_gae_and_restarts_with_the
     rc, out = launcher_run_killing("critic1", 12, run_dir, "--config", "configs/demo.yaml",
                                    "--allocation", "embedded[rollout]:d1+fsdp[actor]:d1+fsdp[critic]:d2",
                                    f"model.path={model}", f"data.train_files=[{data}]", *GAE, "train.total_steps=300",
-                                   "train.test_freq=10", "train.stop_reward=0.8", "train.save_freq=5",
+                                   "train.test_freq=10", "train.stop_reward=0.9", "train.save_freq=5",
                                    "launcher.max_restarts.learner=1")
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -21,7 +21,7 @@ def test_the_moe_demo_learns_with_rollout_routing_replay(tmp_path, demo_assets):
     _, data = demo_assets
     run_dir = tmp_path / "run"
     rc, out = launcher_cli("run", "--config", "configs/moe_demo.yaml", "--run-dir", str(run_dir),
-                           f"data.train_files=[{data}]", "train.stop_reward=0.8", "train.test_freq=25", timeout=600)
+                           f"data.train_files=[{data}]", "train.stop_reward=0.9", "train.test_freq=10", timeout=600)
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "reward_reached", summary
