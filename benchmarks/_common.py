@@ -1,6 +1,7 @@
 """Helpers shared by the benchmark scripts (run as `python benchmarks/<name>.py`, so this directory is
 on sys.path and `from _common import …` works): the repository root on sys.path, a free loopback
-port, an embedded server subprocess started healthy and stopped again, and the long-tailed workload
+port, a `launcher run` to its end and its steady samples/s, an embedded server subprocess started healthy and
+stopped again, and the long-tailed workload
 and model of engine_vs_hf / interrupt_cost.
 """
 
@@ -19,6 +20,26 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 HEALTH_TIMEOUT_S = 120
+
+
+def launcher_run(run_dir: str, *args: str, what: str) -> tuple[list[dict], float]:
+    """`launcher run --run-dir run_dir <args…>` from the repository root, to its end: (its metrics.jsonl rows,
+    wall seconds). A failed run ends the benchmark, naming `what`, with the run's last output."""
+    import json
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "launcher", "run", "--run-dir", run_dir, *args], cwd=ROOT,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f], wall
+
+
+def samples_per_s(rows: list[dict]) -> float:
+    """Steady-state trained samples/s of a run: the rows after the first, by their times (as `launcher tune`)."""
+    return sum(r["samples"] for r in rows[1:]) / (rows[-1]["time"] - rows[0]["time"])
 
 
 def free_port() -> int:

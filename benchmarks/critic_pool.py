@@ -24,12 +24,9 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
-from _common import ROOT  # first: puts the repository root on sys.path
+from _common import launcher_run, samples_per_s  # first: puts the repository root on sys.path
 
 ALLOCATIONS = {"inside": "embedded[rollout]:d1+fsdp[actor]:d1",
                "pool": "embedded[rollout]:d1+fsdp[actor]:d1+fsdp[critic]:d1"}
@@ -37,20 +34,11 @@ GAE = ["algorithm.adv_estimator=gae", "critic.lr=1e-2", "train.lr=2e-3", "train.
 
 
 def run(kind: str, steps: int, run_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "launcher", "run", "--config", "configs/demo.yaml", "--run-dir", run_dir,
-           "--allocation", ALLOCATIONS[kind], f"train.total_steps={steps}", *GAE]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-6000:])
-        raise SystemExit(f"launcher run failed ({proc.returncode}): {kind}")
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    later = rows[1:]
+    rows, wall = launcher_run(run_dir, "--config", "configs/demo.yaml", "--allocation", ALLOCATIONS[kind],
+                              f"train.total_steps={steps}", *GAE, what=kind)
     last = rows[-20:]
-    return {"kind": kind, "steps": len(rows), "wall_s": round(wall, 1),
-            "samples_per_s": round(sum(r["samples"] for r in later) / (later[-1]["time"] - rows[0]["time"]), 1),
-            "step_s_median": round(statistics.median(r["step_s"] for r in later), 4),
+    return {"kind": kind, "steps": len(rows), "wall_s": round(wall, 1), "samples_per_s": round(samples_per_s(rows), 1),
+            "step_s_median": round(statistics.median(r["step_s"] for r in rows[1:]), 4),
             "value_loss_last20_median": round(statistics.median(r["value_loss"] for r in last), 4),
             "reward_last20": round(sum(r["reward_mean"] for r in last) / len(last), 3)}
 

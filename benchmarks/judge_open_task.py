@@ -25,11 +25,9 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 
-from _common import ROOT  # first: puts the repository root on sys.path
+from _common import launcher_run, samples_per_s  # first: puts the repository root on sys.path
 
 COMMON = ["train.lr=2e-3", "train.test_freq=10", "data.val_files=[demo:next-digit-val]", "metrics.report=false"]
 KINDS = {"open": ["--config", "configs/judge_demo.yaml", "data.train_files=[demo:next-digit-open]"],
@@ -39,15 +37,10 @@ KEY = "val/all/mean@4"
 
 
 def run(kind: str, steps: int, run_dir: str) -> dict:
-    argv = [sys.executable, "-m", "launcher", "run", "--run-dir", run_dir, *KINDS[kind], *COMMON,
-            f"train.total_steps={steps}"]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{kind} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows, _ = launcher_run(run_dir, *KINDS[kind], *COMMON, f"train.total_steps={steps}", what=kind)
     val = {r["step"]: round(r[KEY], 3) for r in rows if KEY in r}
     return {"kind": kind, "val": val, "first_val_0.8_at": next((s for s, v in val.items() if v >= 0.8), None),
-            "samples_per_s": round(sum(r["samples"] for r in rows[1:]) / (rows[-1]["time"] - rows[0]["time"]), 1)}
+            "samples_per_s": round(samples_per_s(rows), 1)}
 
 
 def main() -> None:

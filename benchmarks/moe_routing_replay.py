@@ -29,24 +29,18 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 
-from _common import ROOT  # first: puts the repository root on sys.path
+from _common import launcher_run, samples_per_s  # first: puts the repository root on sys.path
 
 KEYS = ("mismatch_logp_abs_mean", "mismatch_kl", "mismatch_ratio_outside")
 
 
 def run(mode: str, steps: int, run_dir: str) -> dict:
-    argv = [sys.executable, "-m", "launcher", "run", "--config", "configs/moe_demo.yaml", "--run-dir", run_dir,
-            f"train.total_steps={steps}", "train.test_freq=0", "rollout.max_staleness=0",
-            "metrics.report=false", f"train.routing_replay={mode}",
-            *(["train.routing_replay_measure=true"] if mode == "rollout" else [])]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    rows, _ = launcher_run(run_dir, "--config", "configs/moe_demo.yaml", f"train.total_steps={steps}",
+                           "train.test_freq=0", "rollout.max_staleness=0", "metrics.report=false",
+                           f"train.routing_replay={mode}",
+                           *(["train.routing_replay_measure=true"] if mode == "rollout" else []), what=mode)
     out = {"mode": mode, **{k: statistics.mean(r[k] for r in rows) for k in KEYS}}
     agree = [r["routing_agreement"] for r in rows if r.get("routing_agreement") is not None]
     out["routing_agreement"] = statistics.mean(agree) if agree else None
@@ -54,7 +48,7 @@ def run(mode: str, steps: int, run_dir: str) -> dict:
         vals = [r[k] for r in rows if r.get(k) is not None]
         out[k] = statistics.mean(vals) if vals else None
     out["step_s_median"] = statistics.median(r["step_s"] for r in rows[1:])
-    out["samples_per_s"] = sum(r["samples"] for r in rows[1:]) / (rows[-1]["time"] - rows[0]["time"])
+    out["samples_per_s"] = samples_per_s(rows)
     out["reward_last10"] = statistics.mean(r["reward_mean"] for r in rows[-10:])
     return out
 

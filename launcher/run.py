@@ -134,18 +134,23 @@ def _check_runnable(cfg, alloc) -> tuple[str, int, int]:
     except AllocationError as e:
         raise RunError(str(e)) from None
     if gen.backend == "sglang":
-        from areal_like.engine.sglang_args import SGLangNotInstalled, require_sglang
-
-        try:
-            require_sglang(cfg.server.python)
-        except SGLangNotInstalled as e:
-            raise RunError(str(e)) from None
+        _require_sglang(cfg)
     elif gen.tp * gen.pp != 1:
         raise RunError(f"the embedded engine runs one device per server; got t={gen.tp} p={gen.pp}: use embedded.d{gen.dp}p1t1")
     world = train.world_size
     if train.cp > 1:
         raise RunError(f"context parallel (c={train.cp}) is not implemented by the learner pool: drop the c dimension")
     return gen.backend, gen.dp, world
+
+
+def _require_sglang(cfg) -> None:
+    """SGLang importable by server.python (a rollout, judge or teacher pool of SGLang servers), else RunError."""
+    from areal_like.engine.sglang_args import SGLangNotInstalled, require_sglang
+
+    try:
+        require_sglang(cfg.server.python)
+    except SGLangNotInstalled as e:
+        raise RunError(str(e)) from None
 
 
 AUX_ROLES = ("judge", "teacher")
@@ -167,12 +172,7 @@ def _check_aux(cfg, alloc, comp) -> None:
                        f"(CPU or GPU) or of SGLang (GPU): use embedded[{comp.name}]:d{comp.dp} or "
                        f"sglang[{comp.name}]:d{comp.dp}")
     if comp.backend == "sglang":
-        from areal_like.engine.sglang_args import SGLangNotInstalled, require_sglang
-
-        try:
-            require_sglang(cfg.server.python)
-        except SGLangNotInstalled as e:
-            raise RunError(str(e)) from None
+        _require_sglang(cfg)
     elif comp.tp * comp.pp != 1:
         raise RunError(f"the embedded engine runs one device per server; the {comp.role} has t={comp.tp} p={comp.pp}: "
                        f"use embedded[{comp.name}]:d{comp.dp}")

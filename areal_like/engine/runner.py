@@ -272,6 +272,7 @@ class ModelRunner:
         self.any_penalty = any(s.has_penalty for s in rows)
         self.any_min_new = any(s.min_new_tokens > len(s.output_ids) for s in rows)
         self.top_n = max([s.top_logprobs_num for s in rows] + [0])
+        self.any_routes = bool(self.routers) and any(s.return_routes for s in rows)  # capture the routed experts
         self._flags_dirty = False
 
     # ---------------------------------------------------------------- membership
@@ -428,8 +429,7 @@ class ModelRunner:
         if self._captured is not None:
             self._captured[layer] = out[-1]  # (tokens, top-k) expert ids
 
-    def _start_capture(self, seqs) -> bool:
-        on = bool(self.routers) and any(s.return_routes for s in seqs)
+    def _start_capture(self, on: bool) -> bool:
         self._captured = {} if on else None
         return on
 
@@ -463,7 +463,7 @@ class ModelRunner:
         kv.ensure(kv_len)
         kv.mode, kv.n_rows, kv.pos_B, kv.kv_len = "decode", B, pos_B, kv_len
         mask_B11L = (torch.arange(kv_len, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
-        capture = self._start_capture(self.rows)
+        capture = self._start_capture(self.any_routes)
         with self.adapters([s.lora for s in self.rows]):
             out = self.model(input_ids=st["last_tok"][:B, None], position_ids=pos_B[:, None],
                              attention_mask=self._mask(mask_B11L), past_key_values=kv, use_cache=True)
@@ -544,7 +544,7 @@ class ModelRunner:
         kv.src_rows = torch.tensor(src_rows, dtype=torch.long, device=dev)
         kv.dst_slots = torch.tensor(dst_slots, dtype=torch.long, device=dev)
         members_of = [[admit[j] for j in members] for _, members in chunk]  # each row's seqs (their routes)
-        capture = self._start_capture([s for ms in members_of for s in ms])
+        capture = self._start_capture(bool(self.routers) and any(s.return_routes for ms in members_of for s in ms))
         try:
             with self.adapters([lora for (_, lora), _ in chunk]):
                 out = self.model(input_ids=ids_PT, position_ids=pos_PT,

@@ -42,6 +42,24 @@ def bytes_to_arrays(blobs: list[bytes]) -> list[np.ndarray]:
     return [np.frombuffer(b, dtype=np.float32).copy() for b in blobs]
 
 
+def gather_samples(arrays: dict[int, np.ndarray], n: int, layout, what: str) -> list[bytes] | None:
+    """Every rank's per-sample arrays ({sample index: array}; tensor-parallel ranks may repeat one) on rank 0, as
+    float32 bytes in sample order — what goes to the other pool; None on the other ranks. Rank 0 raises unless
+    all `n` samples arrived."""
+    from areal_like.learner.parallel.broadcast import gather_bytes
+
+    parts = gather_bytes(_ENC.encode({int(i): a for i, a in zip(arrays, arrays_to_bytes(list(arrays.values())))}),
+                         layout)
+    if layout.rank != 0:
+        return None
+    merged: dict[int, bytes] = {}
+    for part in parts:
+        merged.update(msgspec.msgpack.decode(part, type=dict[int, bytes]))
+    if len(merged) != n:
+        raise RuntimeError(f"{what} of {len(merged)} of {n} samples computed")
+    return [merged[i] for i in range(n)]
+
+
 class CriticLink:
     """One side of the line (`side` "actor" or "critic"), on the store the critic's rank 0 hosts."""
 

@@ -51,9 +51,9 @@ def run(run_dir: str, incarnation: int, link_port: int, device: str) -> int:
 
     from areal_like.api.trajectory import TrajectoryGroup
     from areal_like.learner.checkpoint import CRITIC_POOL_DIR, load_checkpoint, save_checkpoint, verify_checkpoint
-    from areal_like.learner.critic_link import CriticLink, arrays_to_bytes, bytes_to_arrays
+    from areal_like.learner.critic_link import CriticLink, bytes_to_arrays, gather_samples
     from areal_like.learner.parallel import LayoutSpec
-    from areal_like.learner.parallel.broadcast import broadcast_bytes, gather_bytes
+    from areal_like.learner.parallel.broadcast import broadcast_bytes
     from areal_like.learner.parallel.spawn import init_pool_from_env
     from areal_like.learner.trainer import Trainer
 
@@ -99,16 +99,8 @@ def run(run_dir: str, incarnation: int, link_port: int, device: str) -> int:
             elif op == "values":
                 groups = group_dec.decode(msg["groups"])
                 values = trainer.critic_values(groups)
-                parts = gather_bytes(_ENC.encode({int(i): b for i, b in zip(values, arrays_to_bytes(list(values.values())))}), L)
-                reply = {}
-                if rank == 0:
-                    merged: dict[int, bytes] = {}
-                    for part in parts:
-                        merged.update(msgspec.msgpack.decode(part, type=dict[int, bytes]))
-                    n = sum(len(g.trajectories) for g in groups)
-                    if len(merged) != n:
-                        raise RuntimeError(f"values of {len(merged)} of {n} samples computed")
-                    reply = {"values": [merged[i] for i in range(n)]}
+                blobs = gather_samples(values, sum(len(g.trajectories) for g in groups), L, "values")
+                reply = {"values": blobs} if rank == 0 else {}
             elif op == "train":
                 if groups is None:
                     raise RuntimeError(f"asked to train step {msg.get('step')} before any values were asked for")

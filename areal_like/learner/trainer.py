@@ -103,7 +103,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # tokens) and maxima; reduced over pp and dp, then averaged over the step's optimizer steps.
 _SUM_STATS = ("loss", "clipfrac", "approx_kl", "ratio_mean", "behav_w_mean", "behav_tokens_capped", "dual_clipfrac",
               "entropy", "kl_ref", "adv_abs_mean", "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")
-_GROUPS_ENC = msgspec.msgpack.Encoder()  # the critic pool's messages (learner/critic_link.py)
+_MSG_ENC = msgspec.msgpack.Encoder()  # the critic pool's messages (learner/critic_link.py)
 _MAX_STATS = ("behav_w_max", "ratio_max", "neg_behav_w_min", "mm_abs_max")
 _COUNT_STATS = ("behav_tokens_capped", "mm_abs_sum", "mm_k3_sum", "mm_outside", "mm_tokens")  # sums, not means
 
@@ -893,9 +893,9 @@ class Trainer:
         payload = None
         if self.is_rank0:
             link = self.remote_critic
-            link.send("values", step=self.step + 1, groups=_GROUPS_ENC.encode(groups))
+            link.send("values", step=self.step + 1, groups=_MSG_ENC.encode(groups))
             got = link.recv("values", timeout_s=self.critic_cfg.timeout_s, what=f"send step {self.step + 1}'s values")
-            payload = _GROUPS_ENC.encode(got["values"])
+            payload = _MSG_ENC.encode(got["values"])
         # the others wait for rank 0 outside any collective (a critic slower than train.collective_timeout_s is
         # bounded by critic.timeout_s alone)
         self.layout.leader_ready("receive the critic pool's values")
@@ -905,19 +905,11 @@ class Trainer:
     def _remote_train(self, n: int, returns: SampleArrays, version: int) -> None:
         """Every sample's returns (from the ranks that computed them) to rank 0, which sends them to the
         critic pool; it trains on them while this pool trains the actor (`_remote_trained` collects)."""
-        from areal_like.learner.critic_link import arrays_to_bytes
-        from areal_like.learner.parallel.broadcast import gather_bytes
+        from areal_like.learner.critic_link import gather_samples
 
-        mine = _GROUPS_ENC.encode({int(i): arrays_to_bytes([r])[0] for i, r in returns.items()})
-        parts = gather_bytes(mine, self.layout)
+        blobs = gather_samples(returns, n, self.layout, f"learner step {self.step + 1}: returns")
         if self.is_rank0:
-            merged: dict[int, bytes] = {}
-            for part in parts:
-                merged.update(msgspec.msgpack.decode(part, type=dict[int, bytes]))
-            if len(merged) != n:
-                raise RuntimeError(f"learner step {self.step + 1}: returns of {len(merged)} of {n} samples computed")
-            self.remote_critic.send("train", step=self.step + 1, version=version,
-                                    returns=[merged[i] for i in range(n)])
+            self.remote_critic.send("train", step=self.step + 1, version=version, returns=blobs)
 
     def _remote_trained(self) -> tuple[list[float], list[float], float]:
         """The critic pool's stats of this step (value losses and grad norms per optimizer step, its last
@@ -928,7 +920,7 @@ class Trainer:
         if self.is_rank0:
             got = self.remote_critic.recv("trained", timeout_s=self.critic_cfg.timeout_s,
                                           what=f"train the critic on step {self.step + 1}")
-            payload = _GROUPS_ENC.encode([got["value_losses"], got["grad_norms"], got["lr"]])
+            payload = _MSG_ENC.encode([got["value_losses"], got["grad_norms"], got["lr"]])
         self.layout.leader_ready("receive the critic pool's step stats")
         vl, gn, lr = msgspec.msgpack.decode(broadcast_bytes(payload, self.layout))
         return [float(x) for x in vl], [float(x) for x in gn], float(lr)
