@@ -571,12 +571,7 @@ class Run:
         names = [f"server{i}" for i in range(self.n_servers)]
         ports = [cfg.server.base_port + i if cfg.server.base_port else self.procs.free_port(n) for i, n in enumerate(names)]
         ray = self.procs.backend == "ray"
-        # Local: every server on this machine, reached at the address it binds (server.host; loopback for
-        # a wildcard), which its URL and the health probe use
-        node_hosts = None if ray else [reach_host(cfg.server.host)] * plan.nodes
-        if ray:  # each node's address, as its servers' actors report it
-            by_node = {self.procs.placement(n)["node"]: self.procs.host(n) for n in names}
-            node_hosts = [by_node.get(k, "127.0.0.1") for k in range(plan.nodes)]
+        node_hosts = self._sglang_node_hosts(names)
         try:  # SGLang's own parser, read by server.python (the launcher never imports sglang)
             flags = sglang_server_flags(cfg.server.python)
         except SGLangNotInstalled as e:
@@ -599,19 +594,7 @@ class Run:
                                        extra_args=["--context-length", str(cfg.resolved_max_context_len())],
                                        # the keys: a 0600 --config file in the 0700 run dir, never argv (issue 24)
                                        secrets_file=os.path.join(self.run_dir, "sglang-secrets.yaml"))
-        roles = []
-        for srv in servers:
-            if srv.nnodes > 1:
-                raise RunError(f"sglang server {srv.index} spans {srv.nnodes} nodes: a server's t×p devices must fit "
-                               "on one node (use a smaller t×p, or nodes with more devices)")
-            (proc,) = srv.processes
-            argv = list(proc.argv)
-            if ray:  # its CUDA_VISIBLE_DEVICES holds exactly its devices: they start at 0
-                argv[argv.index("--base-gpu-id") + 1] = "0"
-            # Local: --base-gpu-id picks its first device, all visible. Ray: only its own are visible.
-            name = f"server{srv.index}"
-            proc.write_secrets()
-            roles.append(self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)}))
+        roles = self._start_sglang_processes(servers, [f"server{srv.index}" for srv in servers], env)
         self._server_devices = [srv.devices for srv in servers]
         if self.alloc.colocated:  # each learner rank hands its own GPU's weights to the server there
             self._colocated_gpus = colocated_gpus(plan)
@@ -702,10 +685,7 @@ class Run:
         cfg, r = self.cfg, comp.role
         names = [f"{r}{i}" for i in range(comp.num_servers)]
         ray = self.procs.backend == "ray"
-        node_hosts = [reach_host(cfg.server.host)] * self.plan.nodes
-        if ray:
-            by_node = {self.procs.placement(n)["node"]: self.procs.host(n) for n in names}
-            node_hosts = [by_node.get(k, "127.0.0.1") for k in range(self.plan.nodes)]
+        node_hosts = self._sglang_node_hosts(names)
         try:
             servers = build_sglang_servers(
                 self.plan, component=comp.name, model_path=model_path, ports=[self.procs.free_port(n) for n in names],
@@ -719,18 +699,34 @@ class Run:
                 secrets_file=os.path.join(self.run_dir, f"sglang-secrets-{r}.yaml"))
         except (SGLangArgsError, SGLangNotInstalled) as e:
             raise RunError(f"{comp.backend}[{comp.name}]: {e}") from None
-        out = []
+        return [(srv.url, role) for srv, role in zip(servers, self._start_sglang_processes(servers, names, env))]
+
+    def _sglang_node_hosts(self, names: list[str]) -> list[str]:
+        """Each plan node's address for SGLang servers `names`: locally the address they bind (server.host;
+        loopback for a wildcard), which their URLs and the health probe use; under Ray each node's address, as its
+        servers' actors report it."""
+        if self.procs.backend != "ray":
+            return [reach_host(self.cfg.server.host)] * self.plan.nodes
+        by_node = {self.procs.placement(n)["node"]: self.procs.host(n) for n in names}
+        return [by_node.get(k, "127.0.0.1") for k in range(self.plan.nodes)]
+
+    def _start_sglang_processes(self, servers, names: list[str], env) -> list:
+        """Start each SGLang server (one process, on one node) as role `names[i]`, its keys written to its 0600
+        --config file first; → the roles."""
+        ray = self.procs.backend == "ray"
+        roles = []
         for srv, name in zip(servers, names):
             if srv.nnodes > 1:
-                raise RunError(f"{r} server {srv.index} spans {srv.nnodes} nodes: a server's t×p devices must fit on "
-                               "one node")
+                raise RunError(f"{name}: SGLang server {srv.index} spans {srv.nnodes} nodes: a server's t×p devices must "
+                               "fit on one node (use a smaller t×p, or nodes with more devices)")
             (proc,) = srv.processes
             argv = list(proc.argv)
             if ray:  # its CUDA_VISIBLE_DEVICES holds exactly its devices: they start at 0
                 argv[argv.index("--base-gpu-id") + 1] = "0"
+            # Local: --base-gpu-id picks its first device, all visible. Ray: only its own are visible.
             proc.write_secrets()
-            out.append((srv.url, self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)})))
-        return out
+            roles.append(self.procs.start(name, argv, {**env, **proc.env, **self._role_env(name, devices=ray)}))
+        return roles
 
     def _wait_aux(self, started: dict[str, list]) -> dict[str, list[str]]:
         for r, servers in started.items():
