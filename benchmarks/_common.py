@@ -37,6 +37,30 @@ def launcher_run(run_dir: str, *args: str, what: str) -> tuple[list[dict], float
         return [json.loads(line) for line in f], wall
 
 
+def alternate(kinds, run, *, steps: int, repeats: int, keep: str | None, prefix: str, digits: int = 4
+              ) -> dict[str, list[dict]]:
+    """`run(kind, steps, run_dir)` for every kind, `repeats` times, alternating (kinds side by side in one
+    sitting), each result printed as a JSON line (floats to `digits`); run directories under `keep`, else in a
+    temporary directory removed at the end. → {kind: [results]}."""
+    import json
+    import shutil
+    import tempfile
+
+    base = keep or tempfile.mkdtemp(prefix=prefix)
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
+    try:
+        for i in range(repeats):
+            for kind in kinds:
+                r = run(kind, steps, os.path.join(base, f"{kind}{i}"))
+                results[kind].append(r)
+                print(json.dumps({k: (round(v, digits) if isinstance(v, float) else v) for k, v in r.items()}),
+                      flush=True)
+    finally:
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
+    return results
+
+
 def samples_per_s(rows: list[dict]) -> float:
     """Steady-state trained samples/s of a run: the rows after the first, by their times (as `launcher tune`)."""
     return sum(r["samples"] for r in rows[1:]) / (rows[-1]["time"] - rows[0]["time"])

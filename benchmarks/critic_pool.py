@@ -20,13 +20,9 @@ mean reward. The last line is `pool_vs_inside_samples_per_s: <ratio>` (median po
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import tempfile
 
-from _common import launcher_run, samples_per_s  # first: puts the repository root on sys.path
+from _common import alternate, launcher_run, samples_per_s  # first: puts the repository root on sys.path
 
 ALLOCATIONS = {"inside": "embedded[rollout]:d1+fsdp[actor]:d1",
                "pool": "embedded[rollout]:d1+fsdp[actor]:d1+fsdp[critic]:d1"}
@@ -49,17 +45,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", help="keep the run directories here")
     a = ap.parse_args()
-    base = a.keep or tempfile.mkdtemp(prefix="critic-pool-")
-    results: dict[str, list[dict]] = {k: [] for k in ALLOCATIONS}
-    try:
-        for rep in range(a.repeats):
-            for kind in ALLOCATIONS:
-                r = run(kind, a.steps, os.path.join(base, f"{kind}{rep}"))
-                results[kind].append(r)
-                print(json.dumps(r), flush=True)
-    finally:
-        if not a.keep:
-            shutil.rmtree(base, ignore_errors=True)
+    results = alternate(ALLOCATIONS, run, steps=a.steps, repeats=a.repeats, keep=a.keep, prefix="critic-pool-", digits=4)
     med = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in results.items()}
     step = {k: statistics.median(r["step_s_median"] for r in v) for k, v in results.items()}
     print(f"median samples/s: inside {med['inside']:.1f}, pool {med['pool']:.1f}; median step_s: inside "

@@ -21,13 +21,9 @@ line is `open_vs_reference_steps_to_0.8: <ratio>` (medians).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import tempfile
 
-from _common import launcher_run, samples_per_s  # first: puts the repository root on sys.path
+from _common import alternate, launcher_run, samples_per_s  # first: puts the repository root on sys.path
 
 COMMON = ["train.lr=2e-3", "train.test_freq=10", "data.val_files=[demo:next-digit-val]", "metrics.report=false"]
 KINDS = {"open": ["--config", "configs/judge_demo.yaml", "data.train_files=[demo:next-digit-open]"],
@@ -49,17 +45,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", help="keep the run directories here")
     args = ap.parse_args()
-    base = args.keep or tempfile.mkdtemp(prefix="judge_open-")
-    results: dict[str, list[dict]] = {k: [] for k in KINDS}
-    try:
-        for i in range(args.repeats):
-            for kind in KINDS:
-                r = run(kind, args.steps, os.path.join(base, f"{kind}{i}"))
-                results[kind].append(r)
-                print(json.dumps(r), flush=True)
-    finally:
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
+    results = alternate(KINDS, run, steps=args.steps, repeats=args.repeats, keep=args.keep, prefix="judge_open-", digits=4)
     never = args.steps + 10  # a run that never reached 0.8 counts as one step past the end
     med = {k: statistics.median(r["first_val_0.8_at"] or never for r in v) for k, v in results.items()}
     print(f"first held-out validation ≥ 0.8 (median step): open {med['open']}, reference {med['reference']}")

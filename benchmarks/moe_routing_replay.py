@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import tempfile
 
-from _common import launcher_run, samples_per_s  # first: puts the repository root on sys.path
+from _common import alternate, launcher_run, samples_per_s  # first: puts the repository root on sys.path
 
 KEYS = ("mismatch_logp_abs_mean", "mismatch_kl", "mismatch_ratio_outside")
 
@@ -81,17 +78,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", help="keep the run directories here")
     args = ap.parse_args()
-    base = args.keep or tempfile.mkdtemp(prefix="moe_replay-")
-    results: dict[str, list[dict]] = {"off": [], "rollout": []}
-    try:
-        for i in range(args.repeats):
-            for mode in results:
-                r = run(mode, args.steps, os.path.join(base, f"{mode}{i}"))
-                results[mode].append(r)
-                print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
-    finally:
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
+    results = alternate(("off", "rollout"), run, steps=args.steps, repeats=args.repeats, keep=args.keep, prefix="moe_replay-", digits=5)
     print("route bytes per token in the buffer:", json.dumps(route_bytes_per_token()))
     med = {m: statistics.median(r["mismatch_logp_abs_mean"] for r in v) for m, v in results.items()}
     print(f"mean |Δ log p| of the training forward (median of runs): off {med['off']:.5f}, rollout {med['rollout']:.5f} "
