@@ -2,7 +2,8 @@
 structure, bfloat16 servers, a float32 learner) learns the demo task with rollout routing replay
 (`train.routing_replay=rollout`): the servers record each position's routed experts
 (`--enable-return-routed-experts`), the trajectories carry them through Redis, and the learner's routers replay
-them. Measured side by side with and without replay: benchmarks/moe_routing_replay.py."""
+them, and `train.routing_replay_measure` reports each step's mismatch with and without the replay. Measured side by side:
+benchmarks/moe_routing_replay.py."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def test_the_moe_demo_learns_with_rollout_routing_replay(tmp_path, demo_assets):
     _, data = demo_assets
     run_dir = tmp_path / "run"
     rc, out = launcher_cli("run", "--config", "configs/moe_demo.yaml", "--run-dir", str(run_dir),
-                           f"data.train_files=[{data}]", "train.stop_reward=0.9", "train.test_freq=10", timeout=600)
+                           f"data.train_files=[{data}]", "train.stop_reward=0.9", "train.test_freq=10",
+                           "train.routing_replay_measure=true", timeout=600)
     assert rc == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["exit_reason"] == "reward_reached", summary
@@ -31,6 +33,9 @@ def test_the_moe_demo_learns_with_rollout_routing_replay(tmp_path, demo_assets):
     agree = [r["routing_agreement"] for r in rows]
     assert all(a is not None and 0.0 < a <= 1.0 for a in agree), agree
     assert min(agree) < 1.0
+    # train.routing_replay_measure: each step's tokens measured with the servers' routes and with the learner's own
+    measured = [(r["routing_dlogp_replayed"], r["routing_dlogp_own"]) for r in rows]
+    assert all(a is not None and b is not None and a >= 0 and b >= 0 for a, b in measured), measured
     val = [r["val/all/mean@4"] for r in rows if "val/all/mean@4" in r]
     assert val[0] < 0.3 and max(val) >= THRESHOLD, val
     config = json.loads((run_dir / "config.json").read_text())
