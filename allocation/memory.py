@@ -218,6 +218,19 @@ class ModelShape:
             replicated += self.experts * h + (h if self.shared_intermediate else 0)  # router (+ shared-expert gate)
         return sharded // tp + replicated
 
+    def routed_params(self) -> int:
+        """The routed experts' parameters of one decoder layer, averaged over the layers (a sparse layer holds
+        E experts of 3·h·moe_intermediate); 0 for a dense model."""
+        if not self.experts:
+            return 0
+        return self.sparse_layers * self.experts * 3 * self.hidden * self.moe_intermediate // self.layers
+
+    def learner_layer_params(self, tp: int = 1, ep: int = 1) -> int:
+        """One decoder layer on one *learner* rank: `layer_params(tp)`, but the routed experts whole on every tp
+        rank (the learner splits no expert over t) and split over the ep ranks (`e`: 1/ep of them each)."""
+        r = self.routed_params()
+        return self.layer_params(tp) - r // tp + r // ep
+
     def active_params(self) -> int:
         """Parameters one token passes through (the A in Qwen3-30B-A3B): the routed experts count top_k of
         `experts`."""
@@ -249,10 +262,12 @@ class ModelShape:
                   * self.moe_layer_params(dense=True)) if self.experts else self.layers * self.layer_params()
         return emb + layers + self.hidden + (0 if self.tied else emb)
 
-    def stage_params(self, pp: int, stage: int, tp: int, *, head_dim_out: int | None = None) -> int:
-        """Parameters of pipeline stage `stage` on one tp rank; `head_dim_out` = 1 for a critic."""
+    def stage_params(self, pp: int, stage: int, tp: int, *, head_dim_out: int | None = None,
+                     learner_ep: int | None = None) -> int:
+        """Parameters of pipeline stage `stage` on one tp rank; `head_dim_out` = 1 for a critic; `learner_ep`:
+        on a learner rank of that expert-parallel size (`learner_layer_params`), else as a server splits it."""
         n = len(stage_layer_ids(self.layers, pp, stage))
-        total = n * self.layer_params(tp)
+        total = n * (self.layer_params(tp) if learner_ep is None else self.learner_layer_params(tp, learner_ep))
         first, last = stage == 0, stage == pp - 1
         if first:
             total += self.vocab * self.hidden
@@ -405,14 +420,20 @@ def colocated_phases(parts: dict[str, int], s: TrainSettings) -> dict[str, int]:
             + weights + (0 if s.release_memory else kv)}
 
 
-def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stage: int, dp: int = 1) -> dict[str, int]:
-    """Bytes of one learner rank (pipeline stage `stage`, one tp shard, one of `dp`) — module docstring."""
+def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stage: int, dp: int = 1,
+                  ep: int = 1) -> dict[str, int]:
+    """Bytes of one learner rank (pipeline stage `stage`, one tp shard, one of `dp`; a MoE model's experts split
+    over `ep` of the dp ranks) — module docstring."""
     b = DTYPE_BYTES[s.dtype]
     m = DTYPE_BYTES[s.master_dtype]
     separate_master = s.master_dtype != s.dtype
     fsdp = dp > 1 and s.dp_sharding != "none"
     n_layers = len(stage_layer_ids(shape.layers, pp, stage))
-    n_layer = shape.layer_params(tp)
+    n_layer = shape.learner_layer_params(tp, ep)
+    # expert parallel (ep > 1): each layer's 1/ep of the routed experts is this rank's own — never FSDP-sharded
+    # or gathered; under FSDP they are stored in the master dtype (cast to b, one layer's, while it computes)
+    e_layer = shape.routed_params() // ep if ep > 1 else 0
+    n_exp = n_layers * e_layer
 
     first, last = stage == 0, stage == pp - 1
     # [V × h] matrices on this stage: the embedding (first), an untied lm_head (last); a critic has a value head
@@ -421,18 +442,21 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
 
     def trainable(n: int, n_vocab: int) -> tuple[float, float, float]:  # params, grads, optimizer
         if fsdp:  # the master-dtype dp shard, its gradient and AdamW m, v — plus what is gathered at a time
-            root = n - n_layers * n_layer - n_vocab  # final norm (value head): gathered through forward and backward
-            gathered = root + (n_layers * n_layer if s.dp_sharding == "grad_op" else 2 * n_layer)
+            n, unit = n - n_exp, n_layer - e_layer  # what FSDP shards; the experts (ep > 1) whole, below
+            root = n - n_layers * unit - n_vocab  # final norm (value head): gathered through forward and backward
+            gathered = root + (n_layers * unit if s.dp_sharding == "grad_op" else 2 * unit)
             # the vocabulary rows: a 1/dp shard never gathered, cast to b while it runs; each backward's
             # gradient of them beside the accumulated one
             vocab_cast = (b if b != m else 0) * n_vocab / dp
-            return (n * m / dp + b * gathered + vocab_cast,
-                    n * m / dp + max((b + m) * max(n_layer, root), m * n_vocab / dp), 2 * m * n / dp)
+            exp_cast = (b if b != m else 0) * e_layer
+            return (n * m / dp + b * gathered + vocab_cast + n_exp * m + exp_cast,
+                    n * m / dp + max((b + m) * max(unit, root), m * n_vocab / dp) + n_exp * m,
+                    2 * m * n / dp + 2 * m * n_exp)
         if separate_master:  # 16-bit model + fp32 master: the fp32 grads (the 16-bit ones freed as they move)
             return n * b, n * m, n * (m + 2 * m)
         return n * b, n * b, n * 2 * b
 
-    n_actor = shape.stage_params(pp, stage, tp)
+    n_actor = shape.stage_params(pp, stage, tp, learner_ep=ep)
     if s.lora_rank > 0:  # the base frozen in model.dtype (FSDP: its dp shard + the gathered units); the adapter trains
         n_ad = n_layers * shape.lora_layer_params(s.lora_rank, s.lora_targets, tp)
         if last and "lm_head" in s.lora_targets:  # an adapter on the (replicated) LM head: r·(h + V)
@@ -465,10 +489,11 @@ def learner_parts(shape: ModelShape, s: TrainSettings, *, pp: int, tp: int, stag
              "activations_bytes": activations, "logits_bytes": logits, "reference_bytes": 0.0,
              "critic_bytes": 0.0, "runtime_bytes": RUNTIME_BYTES}
     if s.reference and s.lora_rank == 0:  # frozen, model.dtype; sharded like the actor (LoRA: the base itself)
-        parts["reference_bytes"] = (n_actor * b / dp + b * (n_actor - n_layers * n_layer - n_vocab + 2 * n_layer)
+        n_f, unit = n_actor - n_exp, n_layer - e_layer  # (its experts split over ep as the actor's)
+        parts["reference_bytes"] = (n_f * b / dp + b * (n_f - n_layers * unit - n_vocab + 2 * unit) + n_exp * b
                                     if fsdp else n_actor * b)
     if s.critic:
-        cp, cg, co = trainable(shape.stage_params(pp, stage, tp, head_dim_out=1), n_vocab_critic)
+        cp, cg, co = trainable(shape.stage_params(pp, stage, tp, head_dim_out=1, learner_ep=ep), n_vocab_critic)
         parts["critic_bytes"] = cp + cg + co  # its activations come at another time than the actor's
     return {k: int(v) for k, v in parts.items()}
 
@@ -556,8 +581,11 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
             settings, critic=settings.critic and not critic_pool)
         for r in comp.ranks:
             d = dev(r.node, r.device)
-            d.roles.append(f"{'critic' if pool else 'learner'} rank {r.rank} (dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank})")
-            parts = learner_parts(shape, s_comp, pp=t.pp, tp=t.tp, stage=r.pp_rank, dp=t.dp)
+            experts = (f", {shape.experts // t.ep} of {shape.experts} experts per MoE layer"
+                       + (f" (ep {r.dp_rank % t.ep})" if t.ep > 1 else "")) if shape.experts else ""
+            d.roles.append(f"{'critic' if pool else 'learner'} rank {r.rank} (dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank}"
+                           f"{experts})")
+            parts = learner_parts(shape, s_comp, pp=t.pp, tp=t.tp, stage=r.pp_rank, dp=t.dp, ep=t.ep)
             if pool:  # the value model's body activations, no actor state and no logits
                 parts = {k: (v if k in ("activations_bytes", "critic_bytes", "runtime_bytes") else 0)
                          for k, v in parts.items()}
@@ -565,7 +593,7 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
                 d.add(k, v)
             for on in (False, True):
                 other = learner_parts(shape, replace(s_comp, checkpointing=on), pp=t.pp, tp=t.tp, stage=r.pp_rank,
-                                      dp=t.dp)
+                                      dp=t.dp, ep=t.ep)
                 key = f"activations_{'with' if on else 'without'}_checkpointing_bytes"
                 d.info[key] = d.info.get(key, 0) + other["activations_bytes"]
     if placement.allocation.colocated:  # servers and learner ranks take turns on each shared device

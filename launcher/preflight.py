@@ -64,6 +64,26 @@ def _generation_backend(cfg: ExperimentConfig) -> str | None:
     return gen.backend if gen is not None else None
 
 
+def _colocated(cfg: ExperimentConfig) -> bool:
+    from allocation import AllocationError, parse_allocation
+
+    try:
+        return parse_allocation(cfg.allocation).colocated
+    except AllocationError:
+        return False  # reported where the allocation is checked
+
+
+def _training_ep(cfg: ExperimentConfig) -> int:
+    """The expert-parallel size of the allocation's first training component (1 where it has none)."""
+    from allocation import AllocationError, parse_allocation
+
+    try:
+        tr = parse_allocation(cfg.allocation).training
+    except AllocationError:
+        return 1  # reported where the allocation is checked
+    return tr.ep if tr is not None else 1
+
+
 def _is_moe_dir(path: str) -> bool:
     """Whether the HF model dir's config.json describes a mixture-of-experts model (transformers' MoE configs
     name their expert count num_experts, num_local_experts or n_routed_experts)."""
@@ -82,15 +102,20 @@ def resolve_and_check(cfg: ExperimentConfig, log=lambda msg: None) -> None:
 
     cfg.model.path = _resolve(cfg.model.path, "model.path", log)
     check_model_dir(cfg.model.path, "model.path")
-    if _is_moe_dir(cfg.model.path) and _generation_backend(cfg) == "sglang":
+    if _is_moe_dir(cfg.model.path) and _generation_backend(cfg) == "sglang" and _colocated(cfg):
         raise PreflightError(f"model.path={cfg.model.path} is a mixture-of-experts model and the generation servers are "
-                             "SGLang's: the learner's weight push sends transformers' fused experts, and renaming them "
-                             "into SGLang's per-expert layout is not implemented yet; use embedded servers "
-                             "(--allocation embedded.…, server.device=cuda on GPUs)")
+                             "SGLang's, co-located with the learner: the per-GPU handoff of the learner's fused experts "
+                             "into SGLang's per-expert layout is not implemented (the disaggregated push splits them); "
+                             "use separate devices (`sglang.…+megatron:…`) or embedded servers")
     if cfg.train.routing_replay != "off" and not _is_moe_dir(cfg.model.path):
         raise PreflightError(f"train.routing_replay={cfg.train.routing_replay} replays a mixture-of-experts model's "
                              f"expert choices, and model.path={cfg.model.path} has no experts (its config.json names "
                              "no num_experts): set train.routing_replay=off")
+    ep = _training_ep(cfg)
+    if ep > 1 and not _is_moe_dir(cfg.model.path):
+        raise PreflightError(f"the allocation's training side has expert parallel e{ep} ({cfg.allocation!r}) and "
+                             f"model.path={cfg.model.path} has no experts (its config.json names no num_experts): "
+                             "remove e from the allocation's training side")
     for key, sec in (("critic.path", cfg.critic), ("ref.path", cfg.ref)):
         if sec.path is not None:
             sec.path = _resolve(sec.path, key, log)

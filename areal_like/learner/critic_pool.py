@@ -65,7 +65,7 @@ def run(run_dir: str, incarnation: int, link_port: int, device: str) -> int:
     if comp is None:
         log(f"allocation {cfg.allocation!r} has no critic component: nothing for a critic pool to do")
         return 2
-    trainer = Trainer.from_config(cfg, LayoutSpec(dp=comp.dp, pp=comp.pp, tp=comp.tp), device=device, role="critic")
+    trainer = Trainer.from_config(cfg, LayoutSpec.from_component(comp), device=device, role="critic")
     L = trainer.layout
     link = None
     if rank == 0:

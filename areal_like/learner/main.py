@@ -76,6 +76,7 @@ _STOP = -(2**62)  # a version no run reaches: rank 0's "stop now" to the other r
 async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_port: int, device: str,
               launch: str, critic_link: str | None = None) -> int:
     from areal_like.learner.checkpoint import CheckpointError, CheckpointManager
+    from areal_like.learner.moe import PerExpertWeights, is_moe
     from areal_like.learner.parallel import LayoutSpec, broadcast_groups
     from areal_like.learner.parallel.spawn import init_pool_from_env
     from areal_like.learner.trainer import Trainer
@@ -89,7 +90,8 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     rank = init_pool_from_env(cfg.train.collective_timeout_s, device)
     from allocation import parse_allocation
 
-    colocated = parse_allocation(cfg.allocation).colocated  # `<generation>|<training>`: phases per step
+    alloc = parse_allocation(cfg.allocation)
+    colocated = alloc.colocated  # `<generation>|<training>`: phases per step
     trainer = Trainer.from_config(cfg, LayoutSpec.from_allocation(cfg.allocation), device=device)
     if rank == 0:
         log(f"precision: {trainer.precision_policy}")  # model.dtype computes; train.master_dtype holds the state
@@ -128,6 +130,10 @@ async def run(run_dir: str, metrics_port: int | None, incarnation: int, weight_p
     # join the gathers from their next leader_ready wait). Pushed when resuming (the servers may hold
     # newer weights from steps this checkpoint does not have), and again if a server restarts.
     weights = trainer.weight_source()
+    sglang = alloc.generation is not None and alloc.generation.backend == "sglang"
+    # SGLang loads one tensor per expert (learner/moe.py); a converter's own format (LoRA's adapter) has no experts
+    if sglang and is_moe(trainer.actor.stage_module) and trainer.actor.conversion.format is None:
+        weights = PerExpertWeights(weights, mixtral=trainer.actor.config.model_type == "mixtral")
     await coord.start(extra, version, trainer.layout, weights, rollback=ckpt.rollback)
     # colocate.offload_learner: the learner's state leaves the devices while the servers generate
     offload = colocated and cfg.colocate.offload_learner

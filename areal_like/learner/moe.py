@@ -11,7 +11,14 @@ fused ones (its checkpoints, the embedded engine's pushes — the engine runs th
 and a model directory in the per-expert format is read through `ExpertFiles`, which stacks an expert range
 on demand (an FSDP rank that holds experts [a, b) reads those experts' tensors alone). Every parallel
 strategy sees plain parameters: FSDP2 shards the fused tensors along the expert dimension, pipeline stages
-split whole decoder layers. Tensor parallel inside the experts is not implemented (refused, naming t1).
+split whole decoder layers, tensor parallel splits attention and leaves each MoE layer's router and experts
+whole on every tp rank (no TP inside an expert).
+
+Expert parallel (`apply_expert_parallel`, `e` in the allocation): the fused tensors become DTensors sharded
+along the expert dim over the layout's ep mesh, and the experts' forward sends each token's assignments to the
+ranks holding those experts and back by all-to-all (`_ep_forward`); FSDP leaves them out, and their gradients
+are SUMmed over the edp ranks (parallel/sharded_model.py). `PerExpertWeights` is the push's view for SGLang
+servers, which load one tensor per expert.
 
 Routing (`find_routers`, `RouterReplay`): each MoE layer's router (`<layer>.mlp.gate`, transformers'
 `*TopKRouter`: softmax over the experts in fp32, top-k, optionally renormalised) returns (logits, scores,
@@ -113,15 +120,25 @@ class ExpertFiles(Mapping):
 
 class FusedExperts(ModelConverter):
     """A MoE model (transformers' fused experts): read per-expert checkpoints into the fused parameters
-    (`ExpertFiles`); refuse tensor parallel (the experts' TP split is not implemented)."""
+    (`ExpertFiles`); under tensor parallel, attention (and dense and shared-expert MLPs) are split over
+    t while each MoE layer's router and experts stay whole on every t rank (no TP inside the experts)."""
 
     def check(self, build: BuildContext) -> None:
-        if build.tp > 1:
-            raise ValueError(f"a mixture-of-experts model with tensor parallel t{build.tp}: the experts' TP split is "
-                             "not implemented; use t1 on the training side (d and p shard a MoE model)")
+        pass
 
     def convert(self, hf_model: nn.Module, build: BuildContext) -> nn.Module:
         return hf_model
+
+    def tensor_parallel_plan(self, plan: dict, module_names: list[str]) -> dict:
+        """A MoE layer's `mlp` is the router and the experts (no `mlp.gate_proj`…): its dense entries go;
+        Qwen2-MoE's shared expert is a dense MLP, split as one (column-parallel in, row-parallel out)."""
+        names = set(module_names)
+        out = {n: style for n, style in plan.items() if n in names}
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"mlp.shared_expert.{proj}"
+            if name in names:
+                out[name] = plan.get(f"mlp.{proj}") or _dense_style(proj)
+        return out
 
     def files(self, base: Mapping[str, torch.Tensor], meta: Sequence[tuple]) -> Mapping[str, torch.Tensor]:
         fused = {m[0]: m[1] for m in meta if _FUSED_NAME.match(m[0])}
@@ -129,6 +146,116 @@ class FusedExperts(ModelConverter):
 
     def describe(self, model, *, base_is_reference: bool) -> str:
         return ""
+
+
+def _dense_style(proj: str):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return RowwiseParallel() if proj == "down_proj" else ColwiseParallel()
+
+
+# ---- expert parallel (`e` in the allocation) -------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """`dist.all_to_all_single` of rows with uneven splits; its backward sends the gradients back the other way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        torch.distributed.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every fused-experts module (`<…>.mlp.experts` with `gate_up_proj`) in `module`."""
+    return [(n, m) for n, m in module.named_modules()
+            if n.endswith(".experts") and isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
+
+
+def apply_expert_parallel(stage: nn.Module, layout) -> None:
+    """Split each MoE layer's fused experts over the ep ranks (in place, on meta, before FSDP): `gate_up_proj`
+    and `down_proj` become DTensors on the ep mesh sharded along the expert dim (ep rank r holds experts
+    [r·E/ep, (r+1)·E/ep)), and the experts' forward dispatches each token's top-k assignments to the ranks
+    holding those experts and combines the results back (`_ep_forward`). No-op for e1."""
+    if layout.ep == 1:
+        return
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    found = expert_modules(stage)
+    if not found:
+        raise ValueError(f"expert parallel e{layout.ep} on a model without experts (a dense model): use e1 in the "
+                         "allocation's training side")
+    mesh = layout.submesh("ep")
+    for name, m in found:
+        E = m.gate_up_proj.shape[0]
+        if E % layout.ep:
+            raise ValueError(f"expert parallel e{layout.ep} does not divide {name}'s {E} experts: use an e dividing {E}")
+        for attr in FUSED:
+            p = getattr(m, attr)
+            setattr(m, attr, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None),
+                                          requires_grad=p.requires_grad))
+        m.forward = _ep_forward(m, layout, E)
+
+
+def _ep_forward(experts: nn.Module, layout, num_experts: int):
+    """The experts' forward under expert parallel — same signature and result as transformers' (hidden (N, H),
+    top-k expert ids (N, k), their weights (N, k)) → (N, H). Dispatch: each (token, expert) assignment goes,
+    sorted by destination, to the ep rank holding that expert (all-to-all of the counts, then of the rows and
+    their expert ids); each rank runs its experts on what it received; combine: the outputs go back the same
+    way (all-to-all) and each token sums its k outputs times their weights (the routing weights stay on the
+    token's own rank: the router's gradient never crosses ranks). Every ep rank must call it for every
+    forward (the trainer keeps dp ranks in lockstep). Gradients: `_AllToAll`'s backward; the expert weights'
+    through `to_local` (a DTensor gradient on the ep mesh)."""
+    import torch.nn.functional as F
+
+    group, ep = layout.ep_group, layout.ep
+    per_rank = num_experts // ep
+    first = layout.ep_rank * per_rank
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        N, k = top_k_index.shape
+        dev = hidden_states.device
+        flat = top_k_index.reshape(-1)
+        valid = flat < num_experts  # an id of num_experts: no expert (transformers' convention)
+        dest = torch.where(valid, flat // per_rank, ep)  # ep: dropped
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=ep + 1)[:ep]
+        recv_counts = torch.empty_like(send_counts)
+        torch.distributed.all_to_all_single(recv_counts, send_counts, group=group)
+        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
+        sent = order[: sum(in_splits)]  # the valid assignments, by destination
+        x = _AllToAll.apply(hidden_states[sent // k], out_splits, in_splits, group)
+        ids = torch.empty(sum(out_splits), dtype=flat.dtype, device=dev)
+        torch.distributed.all_to_all_single(ids, flat[sent].contiguous(), out_splits, in_splits, group=group)
+        local = ids - first
+        w1 = experts.gate_up_proj.to_local().to(x.dtype)  # (E/ep, 2I, H); a wider master is cast as FSDP's mp does
+        w2 = experts.down_proj.to_local().to(x.dtype)  # (E/ep, H, I)
+        by_expert = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=per_rank).tolist()
+        outs = []
+        for j, rows in enumerate(torch.split(by_expert, counts)):
+            if counts[j]:
+                gate, up = F.linear(x[rows], w1[j]).chunk(2, dim=-1)
+                outs.append(F.linear(experts.act_fn(gate) * up, w2[j]))
+        if not outs:  # nothing came here: an empty result still in the graph (every rank's backward runs both
+            # all-to-alls, or the others would wait for this one)
+            outs = [x.new_zeros((0, hidden_states.shape[-1])) + 0 * (x[:0].sum() + w1[:0].sum() + w2[:0].sum())]
+        y = torch.cat(outs)
+        y = y[torch.argsort(by_expert)]  # back to the received order
+        back = _AllToAll.apply(y, in_splits, out_splits, group)  # (valid assignments, H), in `sent` order
+        y_assign = hidden_states.new_zeros((N * k, hidden_states.shape[-1]))
+        y_assign = y_assign.index_copy(0, sent, back.to(hidden_states.dtype))
+        w = top_k_weights.reshape(-1, 1).to(hidden_states.dtype)
+        return (y_assign * w).reshape(N, k, -1).sum(dim=1)
+
+    return forward
 
 
 # ---- routing ----------------------------------------------------------------------------------------------
@@ -223,3 +350,87 @@ class RouterReplay:
         if same is None:
             return None
         return same.float(), total.float()
+
+
+# ---- the push to SGLang servers: per-expert tensors ---------------------------------------------------------
+class PerExpertWeights:
+    """A `WeightSource` (weights/source.py) over `src` — the learner's full state, fused experts — with each fused
+    tensor split into the per-expert tensors a checkpoint holds and SGLang's `load_weights` reads:
+    `<…>.mlp.experts.<e>.{gate,up,down}_proj.weight` (with `mixtral`, Mixtral's `<…>.block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`
+    and its router at `<…>.block_sparse_moe.gate.weight`). Every other tensor passes through. A fused tensor is gathered once (`src.open`) and its
+    experts' slices yielded as views; a bucket that ends inside a fused tensor leaves it held for the next bucket
+    (the pusher opens buckets in order), so each fused tensor crosses the pool once per push."""
+
+    def __init__(self, src, *, mixtral: bool = False) -> None:
+        self.src = src
+        self.device = src.device
+        self.gathers = src.gathers
+        self.meta: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self._parts: list[tuple[int, int | None, str | None]] = []  # (src index, expert, part) per entry of meta
+        for i, (name, shape, dtype) in enumerate(src.meta):
+            m = _FUSED_NAME.match(name)
+            if m is None:
+                if mixtral and name.endswith(".mlp.gate.weight"):  # Mixtral's checkpoints keep its router there too
+                    name = name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+                self.meta.append((name, tuple(shape), dtype))
+                self._parts.append((i, None, None))
+                continue
+            prefix = m["prefix"].replace(".mlp.experts", ".block_sparse_moe.experts") if mixtral else m["prefix"]
+            E, rows, cols = shape
+            if m["kind"] == "gate_up_proj":
+                projs = [("gate_proj", (rows // 2, cols)), ("up_proj", (rows // 2, cols))]
+            else:
+                projs = [("down_proj", (rows, cols))]
+            for e in range(E):
+                for proj, sub in projs:
+                    self.meta.append((f"{prefix}.{e}.{_MIXTRAL[proj] if mixtral else proj}.weight", sub, dtype))
+                    self._parts.append((i, e, proj))
+        self._held: tuple[int, int, torch.Tensor] | None = None  # (src index, last entry yielded, tensor)
+
+    @property
+    def wire_dtype(self):
+        return getattr(self.src, "wire_dtype", None)
+
+    @wire_dtype.setter
+    def wire_dtype(self, dtype) -> None:  # weights/source.py `gather_in`: the servers' dtype, for the gathers
+        if hasattr(self.src, "wire_dtype"):
+            self.src.wire_dtype = dtype
+
+    def _slice(self, t: torch.Tensor, e: int | None, proj: str | None) -> torch.Tensor:
+        if e is None:
+            return t
+        if proj == "down_proj":
+            return t[e]
+        half = t.shape[1] // 2
+        return t[e, :half] if proj == "gate_proj" else t[e, half:]
+
+    def open(self, indices):
+        indices = list(indices)
+        held = self._held
+        # the fused tensor the last bucket ended inside, kept only for the entry right after it (a new push
+        # starts from its first bucket, never there: the held tensor cannot be stale)
+        if held is not None and not (indices and indices[0] == held[1] + 1 and self._parts[indices[0]][0] == held[0]):
+            held = None
+        self._held = None
+        needed = list(dict.fromkeys(self._parts[j][0] for j in indices))
+        if held is not None:
+            needed.remove(held[0])
+        last_use = {self._parts[j][0]: k for k, j in enumerate(indices)}
+        have: dict[int, torch.Tensor] = {held[0]: held[2]} if held is not None else {}
+        it = self.src.open(needed) if needed else iter(())  # (a gathering source announces every open)
+        pos = 0  # next of `needed` the source yields
+        for k, j in enumerate(indices):
+            i, e, proj = self._parts[j]
+            while i not in have:
+                _, have[needed[pos]] = next(it)
+                pos += 1
+            t = have[i]
+            out = self._slice(t, e, proj) if t is not None else None
+            if last_use[i] == k:
+                last_of_tensor = j + 1 >= len(self._parts) or self._parts[j + 1][0] != i
+                if not last_of_tensor and e is not None:
+                    self._held = (i, j, t)  # the rest of this fused tensor comes in the next bucket
+                del have[i]
+            yield self.meta[j][0], out
+        for _ in it:  # (nothing left: every tensor asked for was used)
+            pass

@@ -286,6 +286,22 @@ class Trainer:
     @property
     def sharding_policy(self) -> str:
         """One line: how the dp ranks split the models (logged at start)."""
+        return self._dp_policy + self._expert_policy
+
+    @property
+    def _expert_policy(self) -> str:
+        L = self.layout
+        if L.ep == 1:
+            return ""
+        from areal_like.learner.moe import expert_modules
+
+        mods = expert_modules(self.actor.stage_module)
+        E = mods[0][1].gate_up_proj.shape[0] if mods else 0
+        return (f"; experts split over ep={L.ep} (all-to-all dispatch): {E // L.ep} of {E} per MoE layer on each rank, "
+                f"replicated over {L.dp // L.ep} rank(s) holding the same experts, their gradients all-reduced there")
+
+    @property
+    def _dp_policy(self) -> str:
         L, req = self.layout, self.cfg.dp_sharding
         if self.dp_sharding == "none":
             why = "" if req == "none" else f" (train.dp_sharding={req}: nothing to shard over at dp={L.dp})"
@@ -342,7 +358,7 @@ class Trainer:
                                                  pad_id=self.pad_id, device=self.device,
                                                  routes=self._routes if replay else None,
                                                  routes_width=self._replay.layers * self._replay.top_k if replay else 0))
-        if shard.fsdp:
+        if shard.lockstep:
             n = self._dp_max(len(mbs))
             mbs += [None] * (n - len(mbs))
         return mbs
@@ -672,7 +688,7 @@ class Trainer:
         B, T = ids_BT.shape
         n = self.cfg.pp_microbatches or max(L.pp, math.ceil(B * T / self.cfg.micro_batch_tokens))
         n = max(n, L.pp) if self.cfg.pp_schedule == "1f1b" else n
-        if shard.fsdp:  # every dp rank of a stage runs as many micro-batches (FSDP's collectives pair up)
+        if shard.lockstep:  # every dp rank of a stage runs as many micro-batches (FSDP's collectives pair up)
             n = self._dp_max(n)
         pad_rows = (-B) % n
         if pad_rows:

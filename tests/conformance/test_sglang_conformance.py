@@ -867,3 +867,72 @@ def test_routed_experts_are_asked_for_and_read_as_sglang_defines_them(harness):
     gens = [e for e in h.record()["events"] if e["kind"] == "generate"]
     assert [(e["return_routed_experts"], e["routed_experts_start_len"]) for e in gens] == [(True, 0), (True, 4),
                                                                                           (False, 0)]
+
+
+# --------------------------------------------------------------- the MoE push to SGLang (issue 44 item 3)
+_LOAD_EXPERTS = """\
+import json, sys, types
+sys.path.insert(0, sys.argv[1])
+import sglang_harness
+sglang_harness._stub_torchvision()
+import torch
+arch, layers, experts, names = json.loads(sys.argv[2])
+if arch == "qwen3_moe":
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM as M
+else:
+    from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM as M
+calls = []
+
+def param(pname):
+    p = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    def loader(param, w, *a, **k):
+        calls.append([pname, list(w.shape), k.get("shard_id", a[1] if len(a) > 1 else None), k.get("expert_id")])
+    p.weight_loader = loader
+    return p
+
+params = {}
+for l in range(layers):
+    for pname in ("mlp.experts.w13_weight", "mlp.experts.w2_weight", "mlp.gate.weight"):
+        params[f"model.layers.{l}.{pname}"] = param(f"model.layers.{l}.{pname}")
+me = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=experts),
+                           model=types.SimpleNamespace(start_layer=0, end_layer=layers), start_layer=0,
+                           end_layer=layers, named_parameters=lambda: params.items(), routed_experts_weights_of_layer=1)
+M.load_weights(me, [(n, torch.zeros(s)) for n, s in names])
+print(json.dumps(calls))
+"""
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_the_moe_push_names_each_expert_as_sglangs_load_weights_places_it(arch):
+    """A push of a MoE model to SGLang servers (`PerExpertWeights`): the fused experts split into per-expert tensors
+    whose names SGLang 0.5.23's own `load_weights` (Qwen3-MoE's and Qwen2-MoE's, run here with its parameters
+    stood in by recorders) places in its fused MoE parameters — each expert's gate as shard w1 and up as w3 of
+    `w13_weight`, its down as w2 of `w2_weight`, at that expert's id — and the router where SGLang keeps it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from areal_like.data.tiny_model import MOE_DEFAULTS, moe_config
+    from areal_like.learner.moe import PerExpertWeights
+    from areal_like.weights.source import LocalWeights
+
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)
+    config, _ = moe_config(arch, common, head_dim=8)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
+    src = PerExpertWeights(LocalWeights(list(model.named_parameters())))
+    routed = [(n, list(s)) for n, s, _ in src.meta if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
+    E = MOE_DEFAULTS[arch]["num_experts"]
+    assert len(routed) == 2 * (3 * E + 1) and not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n, _ in routed)
+    out = subprocess.run([PY, "-c", _LOAD_EXPERTS, str(ROOT / "tests" / "conformance"), json.dumps([arch, 2, E, routed])],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    calls = json.loads(out.stdout.strip().splitlines()[-1])
+    want = []
+    for layer in range(2):
+        want.append([f"model.layers.{layer}.mlp.gate.weight", [E, 16], None, None])
+        for e in range(E):
+            I = MOE_DEFAULTS[arch]["moe_intermediate_size"]
+            want += [[f"model.layers.{layer}.mlp.experts.w13_weight", [I, 16], "w1", e],
+                     [f"model.layers.{layer}.mlp.experts.w13_weight", [I, 16], "w3", e],
+                     [f"model.layers.{layer}.mlp.experts.w2_weight", [16, I], "w2", e]]
+    assert sorted(map(json.dumps, calls)) == sorted(map(json.dumps, want))

@@ -58,6 +58,12 @@ LORA_LAYOUTS = ["d2-none", "d2-full", "p2", "t2", "d2p2-full", "d2t2-full", "p2t
 LORA = LoraSettings(4, 8.0, "all-linear")
 LORA_ALG = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
 LORA_KEYS = ("loss", "grad_norm", "kl_ref", "clipfrac", "optimizer_steps")
+# Mixture-of-experts (issue 44): `<arch>:<layout>` — e splits each layer's 8 experts over the dp ranks (all-to-all
+# dispatch), with FSDP (`full`, the experts left to EP) or replicated dp (`none`), beside t (attention split,
+# experts whole on each t rank; Qwen3's q/k norms see a t rank's heads) and p; Qwen2-MoE's shared expert is
+# split by t as a dense MLP. "+ext": the extended config too (critic and reference are MoE models under e).
+MOE_LAYOUTS = {2: ["qwen3_moe:d2e2-none", "qwen3_moe:d2e2-full+ext", "qwen2_moe:t2"],
+               4: ["qwen3_moe:d4e2-full", "qwen3_moe:d2t2e2-full", "qwen2_moe:d2p2e2-none"]}
 
 
 def _read_as_a_push_does(ln: Trainer, wire_dtype: torch.dtype | None = None) -> list:
@@ -73,7 +79,7 @@ def _read_as_a_push_does(ln: Trainer, wire_dtype: torch.dtype | None = None) -> 
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, moe_dirs: dict) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -131,6 +137,35 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -
                 with open(os.path.join(out_dir, f"{name}.lora.json"), "w") as f:
                     json.dump({k: getattr(st, k) for k in LORA_KEYS}, f)
             del lo
+        for moe in MOE_LAYOUTS[world]:
+            arch, _, rest = moe.partition(":")
+            name, _, ext = rest.partition("+")
+            layout, _, sharding = name.partition("-")
+            ln = Trainer(moe_dirs[arch], TrainConfig(**CFG, collective_timeout_s=120, dp_sharding=sharding or "full"),
+                         layout, temperature=TEMP)
+            assert ln.layout.ep == (2 if "e2" in layout else 1)
+            st = ln.train_step(groups, version=0)
+            grads = ln.named_full_grads()
+            weights = _read_as_a_push_does(ln)
+            tag = f"{arch}-{name}"
+            if rank == 0:
+                save_file({n: t.contiguous() for n, t in grads}, os.path.join(out_dir, f"{tag}.grads.safetensors"))
+                save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{tag}.weights.safetensors"))
+                with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
+                    json.dump({k: getattr(st, k) for k in ("loss", "grad_norm", "loss_tokens", "skipped")}, f)
+            del ln
+            if ext:
+                e = Trainer(moe_dirs[arch], TrainConfig(**EXT_CFG, collective_timeout_s=120, logits_chunk_tokens=5,
+                                                        dp_sharding=sharding), layout, temperature=TEMP,
+                            algorithm=EXT_ALG, gradient_checkpointing=True, critic=CriticConfig(), ref=RefConfig())
+                st = e.train_step(groups, version=0)
+                weights, critic = e.full_state(), e.critic.gather_full(dict(e.critic.local))
+                if rank == 0:
+                    save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{tag}.ext.safetensors"))
+                    save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{tag}.critic.safetensors"))
+                    with open(os.path.join(out_dir, f"{tag}.ext.json"), "w") as f:
+                        json.dump({k: getattr(st, k) for k in EXT_KEYS}, f)
+                del e
         leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
     finally:  # on a failure (leave_pool does not return)
         dist.destroy_process_group()
@@ -218,10 +253,17 @@ def ext_reference(model_dir):
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(model_dir, tmp_path_factory):
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("moe")
+    return {a: build_tiny_model(str(base / a), arch=a, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                seed=0) for a in ("qwen3_moe", "qwen2_moe")}
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(model_dir, moe_dirs, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("par"))
     for world in (2, 4):
-        mp.start_processes(_rank_main, args=(world, free_port(), model_dir, out), nprocs=world, join=True,
+        mp.start_processes(_rank_main, args=(world, free_port(), model_dir, out, moe_dirs), nprocs=world, join=True,
                            start_method=RANK_START)
     return out
 
@@ -296,3 +338,52 @@ def test_lora_matches_single_process(layout, lora_reference, parallel_runs, mode
     assert set(base) == set(original)
     for n, t in original.items():
         assert torch.equal(base[n], t), f"base weight {n} changed"
+
+
+@pytest.fixture(scope="module")
+def moe_references(moe_dirs):
+    """Per MoE arch: the plain oracle (transformers' own MoE forward, one process) and the extended config by
+    the `Trainer` in one process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = {a: oracle_step(d, TrainConfig(**CFG), synthetic_groups(7)) for a, d in moe_dirs.items()}
+    finally:
+        torch.set_num_threads(threads)
+    ln, st = one_process_step(moe_dirs["qwen3_moe"], algorithm=EXT_ALG)
+    return plain, (st, dict(ln.full_state()), dict(ln.critic.gather_full(dict(ln.critic.local))))
+
+
+@pytest.mark.parametrize("moe", MOE_LAYOUTS[2] + MOE_LAYOUTS[4])
+def test_moe_expert_parallel_matches_single_process(moe, moe_references, parallel_runs):
+    """A MoE step under e (experts split over dp ranks, tokens sent to them by all-to-all), composed with FSDP,
+    replicated dp, t and p, equals transformers' one-process MoE: the loss, the clipped gradients and the
+    weights (read as a push reads them: the experts gathered over ep). With "+ext" the critic, the reference,
+    two minibatches and activation checkpointing (each layer's all-to-alls run again in backward) too."""
+    arch, _, rest = moe.partition(":")
+    name, _, ext = rest.partition("+")
+    tag = f"{arch}-{name}"
+    plain, (ext_st, ext_weights, ext_critic) = moe_references
+    ref_st, ref_grads, ref_weights = plain[arch]
+    assert any(".mlp.experts.gate_up_proj" in n for n in ref_grads)
+    with open(os.path.join(parallel_runs, f"{tag}.json")) as f:
+        st = json.load(f)
+    assert not st["skipped"] and st["loss_tokens"] == ref_st["loss_tokens"]
+    for k in ("loss", "grad_norm"):
+        assert st[k] == pytest.approx(ref_st[k], abs=1e-5, rel=1e-5), k
+    for what, ref in (("grads", ref_grads), ("weights", ref_weights)):
+        got = load_file(os.path.join(parallel_runs, f"{tag}.{what}.safetensors"))
+        assert set(got) == set(ref)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{what} {n}: {m}")
+    if not ext:
+        return
+    with open(os.path.join(parallel_runs, f"{tag}.ext.json")) as f:
+        st = json.load(f)
+    for k in EXT_KEYS:
+        assert st[k] == pytest.approx(getattr(ext_st, k), abs=1e-5, rel=1e-5), k
+    for fname, ref in (("ext", ext_weights), ("critic", ext_critic)):
+        got = load_file(os.path.join(parallel_runs, f"{tag}.{fname}.safetensors"))
+        assert set(got) == set(ref)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{fname} {n}: {m}")

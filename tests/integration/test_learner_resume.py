@@ -100,16 +100,26 @@ def test_kill_after_step_k_and_resume(model_dir, tmp_path, layout, world):
         "d1", "d1p1t1").replace("t2", "d1p1t2").replace("p2", "d1p2t1").replace("d2", "d2p1t1")
 
 
-def test_sharded_checkpoint_resumes_at_another_dp(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("moe") / "m"), arch="qwen3_moe", hidden_size=32,
+                            num_layers=2, num_heads=4, num_kv_heads=2, seed=1)
+
+
+# d2e2 (issue 44): a MoE model's experts split over the two ranks (expert parallel), their AdamW state saved by
+# each rank for its own experts — DCP records the global shapes, so one process reads them all back
+@pytest.mark.parametrize("model,layout", [("dense", "d2"), ("moe", "d2e2")])
+def test_sharded_checkpoint_resumes_at_another_dp(model_dir, moe_dir, tmp_path, model, layout):
     """Step K's checkpoint of a d2 FSDP pool (each rank wrote its own AdamW shards, DCP) resumes on one
     process (d1, replicated): the optimizer state is resharded, and step K+1's loss equals the
     uninterrupted d2 run's (fp32; 1e-6 — one process sums the same numbers in another order)."""
+    model_dir = moe_dir if model == "moe" else model_dir
     full = tmp_path / "full" / "losses.jsonl"
     full.parent.mkdir()
-    _run_pool(model_dir, "d2", 2, str(full), steps=K + 1)
+    _run_pool(model_dir, layout, 2, str(full), steps=K + 1)
     run = tmp_path / "run"
     run.mkdir()
-    _run_pool(model_dir, "d2", 2, str(run / "losses.jsonl"), steps=K)
+    _run_pool(model_dir, layout, 2, str(run / "losses.jsonl"), steps=K)
     files = sorted(os.listdir(run / "ckpt" / f"step_{K:08d}"))
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(files), files  # one shard file per rank
     _run_pool(model_dir, "d1", 1, str(run / "losses_d1.jsonl"), steps=K + 1)  # resume_mode=auto

@@ -3,7 +3,8 @@ structure, bfloat16 servers, a float32 learner) learns the demo task with rollou
 (`train.routing_replay=rollout`): the servers record each position's routed experts
 (`--enable-return-routed-experts`), the trajectories carry them through Redis, and the learner's routers replay
 them, and `train.routing_replay_measure` reports each step's mismatch with and without the replay. Measured side by side:
-benchmarks/moe_routing_replay.py."""
+benchmarks/moe_routing_replay.py. The learner runs expert parallel (`megatron:d2e2`: each of its two ranks holds
+4 of each layer's 8 experts, tokens dispatched to them by all-to-all over gloo)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def test_the_moe_demo_learns_with_rollout_routing_replay(tmp_path, demo_assets):
     _, data = demo_assets
     run_dir = tmp_path / "run"
     rc, out = launcher_cli("run", "--config", "configs/moe_demo.yaml", "--run-dir", str(run_dir),
+                           "--allocation", "embedded.d1p1t1+megatron:d2e2",
                            f"data.train_files=[{data}]", "train.stop_reward=0.9", "train.test_freq=10",
                            "train.routing_replay_measure=true", timeout=600)
     assert rc == 0, out[-3000:]
@@ -40,3 +42,5 @@ def test_the_moe_demo_learns_with_rollout_routing_replay(tmp_path, demo_assets):
     assert val[0] < 0.3 and max(val) >= THRESHOLD, val
     config = json.loads((run_dir / "config.json").read_text())
     assert config["train"]["routing_replay"] == "rollout" and config["server"]["dtype"] == "bfloat16"
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "layout d2p1t1e2" in log and "experts split over ep=2" in log and "4 of 8 per MoE layer" in log, log[-2000:]

@@ -180,6 +180,29 @@ def test_a_critic_pool_holds_the_value_model_and_the_actor_no_longer_does(tmp_pa
         assert d["params_bytes"] == d["optimizer_bytes"] == d["logits_bytes"] == d["reference_bytes"] == 0
 
 
+def test_expert_parallel_plans_each_ranks_own_experts(tmp_path: Path) -> None:
+    """Issue 44 item 3: with `megatron:d8e8` each learner rank holds 16 of Qwen3-30B-A3B's 128 experts per layer
+    (named in its roles) — their parameters, gradients and AdamW state 1/8 each, the rest FSDP-sharded over the 8
+    dp ranks as without e; at t2 the learner keeps each expert whole on both t ranks (only attention splits)."""
+    model = _model(tmp_path, QWEN3_30B_A3B)
+    shape = ModelShape.from_config(QWEN3_30B_A3B)
+    plain = _memory(tmp_path, "--allocation", "sglang.d8t1+megatron:d8", "--model", model)
+    ep = _memory(tmp_path, "--allocation", "sglang.d8t1+megatron:d8e8", "--model", model)
+    a = next(d for d in plain["devices"] if d["roles"][0].startswith("learner rank 3"))
+    b = next(d for d in ep["devices"] if d["roles"][0].startswith("learner rank 3"))
+    assert "128 of 128 experts per MoE layer" in a["roles"][0]
+    assert "16 of 128 experts per MoE layer (ep 3)" in b["roles"][0]
+    # FSDP over d8 already holds 1/8 of everything: e8 moves the experts out of it at the same 1/8 (fp32 master
+    # shards, gradient, m and v) — the same bytes within the unit gathered at a time, which no longer has experts
+    experts = shape.layers * shape.routed_params() / 8
+    assert abs(b["optimizer_bytes"] - a["optimizer_bytes"]) < 0.01 * experts
+    assert b["params_bytes"] < a["params_bytes"]  # a layer gathered for compute is attention alone now
+    # t2: the learner keeps each expert whole on both t ranks (no expert is split), e2 splits them over d
+    t2 = ModelShape.from_config(QWEN3_30B_A3B)
+    assert t2.learner_layer_params(2, 1) - t2.layer_params(2) == t2.routed_params() - t2.routed_params() // 2
+    assert t2.learner_layer_params(2, 2) == t2.layer_params(2)
+
+
 def test_table_marks_over_full_devices_and_names_a_fix(tmp_path: Path) -> None:
     model = _model(tmp_path, QWEN25_05B)
     proc = _run("--allocation", "sglang.d1p1t1+d1p1t1", "--model", model, "--device-memory", "16GB",

@@ -36,6 +36,12 @@ def test_spec_from_strings():
     assert LayoutSpec.from_string("d2p1t1") == LayoutSpec(dp=2)
     assert LayoutSpec.from_string("embedded.d1p1t1+d2p1t1") == LayoutSpec(dp=2)
     assert str(LayoutSpec(dp=2, pp=2)) == "d2p2t1"
+    # expert parallel: e splits dp (no ranks of its own), read from the allocation's training side
+    assert LayoutSpec.from_string("d4e2") == LayoutSpec(dp=4, ep=2) and LayoutSpec(dp=4, ep=2).world_size == 4
+    assert LayoutSpec.from_string("embedded.d1+megatron:d2t2e2") == LayoutSpec(dp=2, tp=2, ep=2)
+    assert str(LayoutSpec(dp=4, ep=2)) == "d4p1t1e2"
+    with pytest.raises(ValueError, match=r"attn/ffn hybrid layouts are not implemented.*megatron:d4p1t1e2"):
+        LayoutSpec.from_string("embedded.d1+megatron:(attn:d4|ffn:d2e2)")
 
 
 def test_layout_checks_world_size_and_cp():
@@ -43,6 +49,8 @@ def test_layout_checks_world_size_and_cp():
         ParallelLayout(LayoutSpec(dp=2))
     with pytest.raises(ValueError, match="context parallel"):
         ParallelLayout(LayoutSpec(cp=2))
+    with pytest.raises(ValueError, match=r"expert parallel e4 does not divide the data-parallel size d2.*d2e2"):
+        ParallelLayout(LayoutSpec(dp=2, tp=2, ep=4))
     single = ParallelLayout(LayoutSpec())
     assert (single.rank, single.pp_rank, single.dp_rank, single.tp_rank) == (0, 0, 0, 0)
     assert single.is_first_stage and single.is_last_stage

@@ -218,8 +218,8 @@ def test_rows_a_reward_model_grades_need_a_judge_whose_grade_is_the_reward(tmp_p
 
 
 def test_routing_replay_needs_a_moe_model_and_a_moe_model_needs_embedded_servers(tmp_path, demo_assets):
-    """Issue 44: `train.routing_replay` on a dense model, and a MoE model on SGLang servers (whose per-expert weight
-    layout the push does not write yet), are refused before anything starts, naming the key."""
+    """Issue 44: `train.routing_replay` on a dense model, and a MoE model on co-located SGLang servers (whose per-GPU
+    handoff does not split the fused experts), are refused before anything starts, naming the key."""
     from areal_like.data.tiny_model import build_tiny_model
 
     model, data = demo_assets
@@ -228,5 +228,12 @@ def test_routing_replay_needs_a_moe_model_and_a_moe_model_needs_embedded_servers
         resolve_and_check(cfg_with(f"model.path={model}", f"data.train_files=[{data}]", "train.routing_replay=rollout"))
     moe = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe")
     resolve_and_check(cfg_with(f"model.path={moe}", f"data.train_files=[{data}]", "train.routing_replay=rollout"))
-    with pytest.raises(PreflightError, match=r"mixture-of-experts model and the generation servers are SGLang's"):
-        resolve_and_check(cfg_with(f"model.path={moe}", f"data.train_files=[{data}]", "allocation=sglang.d1p1t1+d1p1t1"))
+    # SGLang servers get each expert's tensors (learner/moe.py PerExpertWeights); co-located ones are refused
+    resolve_and_check(cfg_with(f"model.path={moe}", f"data.train_files=[{data}]", "allocation=sglang.d1p1t1+d1p1t1"))
+    with pytest.raises(PreflightError, match=r"mixture-of-experts model .* SGLang's, co-located .* not implemented"):
+        resolve_and_check(cfg_with(f"model.path={moe}", f"data.train_files=[{data}]", "allocation=sglang.d2|fsdp.d2"))
+    # expert parallel (e) splits experts: a dense model has none
+    with pytest.raises(PreflightError, match=r"expert parallel e2 .* has no experts .* remove e from the allocation"):
+        resolve_and_check(cfg_with(f"model.path={model}", f"data.train_files=[{data}]",
+                                   "allocation=embedded.d1+megatron:d2e2"))
+    resolve_and_check(cfg_with(f"model.path={moe}", f"data.train_files=[{data}]", "allocation=embedded.d1+megatron:d2e2"))

@@ -8,7 +8,11 @@ Rank order is Megatron's: tensor parallel fastest, then data parallel, then pipe
     global_rank = pp_rank · (dp·tp) + dp_rank · tp + tp_rank          mesh dims ("pp", "dp", "tp")
 
 so the ranks of one TP group are neighbours (one node, fastest links) and pipeline stages are the
-outermost split. Context parallel (cp) is parsed by the allocation but not implemented: cp > 1 is
+outermost split. Expert parallel (`e`, a MoE model) adds no ranks: it splits each dp line into
+edp × ep (dp_rank = edp_rank · ep + ep_rank). A MoE layer's experts are split over the ep ranks
+(`ep_group`, the 1-D `ep_mesh`; tokens travel to their experts by all-to-all, learner/moe.py) and
+replicated over the edp ranks holding the same experts (`edp_group`: their gradients' SUM), as
+Megatron's expert-data-parallel. Context parallel (cp) is parsed by the allocation but not implemented: cp > 1 is
 rejected here with the setting to change.
 
 Two families of groups (issue 23): the *device* groups (`world_group`, `dp_group`, `pp_group`,
@@ -66,6 +70,7 @@ class LayoutSpec:
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel: a split of dp (adds no ranks)
 
     @property
     def world_size(self) -> int:
@@ -79,21 +84,32 @@ class LayoutSpec:
         tr = parse_allocation(text).training  # the first training component (the actor)
         if tr is None:
             raise ValueError(f"allocation {text!r} has no training side: add one, e.g. '+d2p1t1'")
-        return cls(dp=tr.dp, pp=tr.pp, tp=tr.tp, cp=getattr(tr, "cp", 1))
+        return cls.from_component(tr)
+
+    @classmethod
+    def from_component(cls, tr) -> "LayoutSpec":
+        """An allocation's `TrainingSpec` → its layout. An attn/ffn hybrid (`megatron:(attn:…|ffn:…)`) is
+        refused: the learner runs one layout for the whole model, experts split over dp by `e`."""
+        if tr.ffn is not None:
+            raise ValueError(f"allocation component {tr.text()!r}: attn/ffn hybrid layouts are not implemented in "
+                             f"the learner; write one layout with e splitting the experts over d, e.g. "
+                             f"{tr.backend}:d{tr.ffn.dp * tr.ffn.ep}p{tr.pp}t{tr.ffn.tp}e{tr.ffn.ep}")
+        return cls(dp=tr.dp, pp=tr.pp, tp=tr.tp, cp=tr.cp, ep=tr.ep)
 
     @classmethod
     def from_string(cls, text: str) -> "LayoutSpec":
         """"d2p2t1", "d2", "t2" (missing sizes are 1), or a whole allocation string ("a.d1+d2p1t1")."""
         import re
 
-        m = re.fullmatch(r"(?:d(\d+))?(?:p(\d+))?(?:t(\d+))?(?:c(\d+))?", text.strip())
+        m = re.fullmatch(r"(?:d(\d+))?(?:p(\d+))?(?:t(\d+))?(?:c(\d+))?(?:e(\d+))?", text.strip())
         if m is None or not text.strip():
             return cls.from_allocation(text)
-        d, p, t, c = (int(x) if x else 1 for x in m.groups())
-        return cls(dp=d, pp=p, tp=t, cp=c)
+        d, p, t, c, e = (int(x) if x else 1 for x in m.groups())
+        return cls(dp=d, pp=p, tp=t, cp=c, ep=e)
 
     def __str__(self) -> str:
-        return f"d{self.dp}p{self.pp}t{self.tp}" + (f"c{self.cp}" if self.cp > 1 else "")
+        return (f"d{self.dp}p{self.pp}t{self.tp}" + (f"c{self.cp}" if self.cp > 1 else "")
+                + (f"e{self.ep}" if self.ep > 1 else ""))
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of a global rank (see the module docstring's order)."""
@@ -118,9 +134,13 @@ class ParallelLayout:
         if spec.cp != 1:
             raise ValueError(f"context parallel (cp={spec.cp}) is not implemented in the learner: "
                              "use c1 in the allocation's training side (e.g. d2p1t1)")
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "ep"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"layout {name} must be ≥ 1, got {getattr(spec, name)}")
+        if spec.dp % spec.ep:
+            raise ValueError(f"expert parallel e{spec.ep} does not divide the data-parallel size d{spec.dp}: the "
+                             f"experts are split over a sub-mesh of the dp ranks (t replicates them); use an e "
+                             f"dividing {spec.dp} in the allocation's training side (e.g. d{spec.dp}e{spec.dp})")
         self.spec = spec
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device_type = device_type
@@ -137,8 +157,12 @@ class ParallelLayout:
             )
         self.rank = dist.get_rank() if self.distributed else 0
         self.pp_rank, self.dp_rank, self.tp_rank = spec.coords(self.rank)
-        self.mesh = None
+        # expert parallel: dp rank = edp_rank · ep + ep_rank; the experts are split over the ep ranks
+        # (`ep_group`, `ep_mesh`) and replicated over the edp ranks holding the same ones (`edp_group`)
+        self.edp_rank, self.ep_rank = divmod(self.dp_rank, spec.ep)
+        self.mesh = self.ep_mesh = None
         self.pp_group = self.dp_group = self.tp_group = self.world_group = None
+        self.ep_group = self.edp_group = None
         self.host_world_group = self.host_dp_group = None
         if self.distributed:
             self._build_groups()
@@ -162,6 +186,14 @@ class ParallelLayout:
                 if self.rank in line:
                     mine[name] = g
         self.pp_group, self.dp_group, self.tp_group = mine["pp"], mine["dp"], mine["tp"]
+        if s.ep > 1:  # the dp lines split into edp × ep (ep fastest: an ep group's ranks are dp neighbours)
+            dp_lines = grid.movedim(1, -1).reshape(-1, s.dp // s.ep, s.ep)  # (pp·tp, edp, ep)
+            for name, lines in (("ep", dp_lines.reshape(-1, s.ep)), ("edp", dp_lines.transpose(1, 2).reshape(-1, s.dp // s.ep))):
+                for line in lines.tolist():
+                    g = dist.new_group(line, timeout=self.timeout, backend=dev)
+                    if self.rank in line:
+                        mine[name], mine[name + "_ranks"] = g, line
+            self.ep_group, self.edp_group = mine["ep"], mine["edp"]
         # The whole pool with this layout's timeout (the default group's is the launcher's choice).
         self.world_group = dist.new_group(list(range(s.world_size)), timeout=self.timeout, backend=dev)
         # The host groups beside them (gloo): CPU tensors never go to a device group.
@@ -174,6 +206,9 @@ class ParallelLayout:
         self.mesh = DeviceMesh.from_group(
             [self.pp_group, self.dp_group, self.tp_group], self.device_type, mesh=grid, mesh_dim_names=DIM_NAMES
         )
+        if s.ep > 1:
+            self.ep_mesh = DeviceMesh.from_group(self.ep_group, self.device_type, mesh=mine["ep_ranks"],
+                                                 mesh_dim_names=("ep",))
 
     def group_for(self, t: torch.Tensor, name: str) -> dist.ProcessGroup:
         """The group of dim `name` ("dp" or "world") for a collective of `t`: the host (gloo) group
@@ -273,9 +308,13 @@ class ParallelLayout:
         return msg
 
     def submesh(self, name: str):
-        """The 1-D DeviceMesh of dim `name` ("pp", "dp", "tp") containing this rank."""
+        """The 1-D DeviceMesh of dim `name` ("pp", "dp", "tp", "ep") containing this rank."""
         if self.mesh is None:
             raise RuntimeError("no device mesh in a single-process layout")
+        if name == "ep":
+            if self.ep_mesh is None:
+                raise RuntimeError("no ep mesh: the layout has e1")
+            return self.ep_mesh
         return self.mesh[name]
 
     # ---- sizes and ranks -----------------------------------------------------------------------
@@ -290,6 +329,10 @@ class ParallelLayout:
     @property
     def tp(self) -> int:
         return self.spec.tp
+
+    @property
+    def ep(self) -> int:
+        return self.spec.ep
 
     @property
     def world_size(self) -> int:
@@ -318,4 +361,4 @@ class ParallelLayout:
 
     def __repr__(self) -> str:
         return (f"ParallelLayout({self.spec}, rank={self.rank}, pp={self.pp_rank}, dp={self.dp_rank}, "
-                f"tp={self.tp_rank})")
+                f"tp={self.tp_rank}" + (f", ep={self.ep_rank})" if self.ep > 1 else ")"))

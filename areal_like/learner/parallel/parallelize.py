@@ -5,12 +5,16 @@ here, afterwards, in this fixed order (as torchtitan; `learner/model.py` calls t
 
     1. pipeline split   `split_pipeline_stage`  — keep only this stage's layers (HF names kept)
     2. tensor parallel  `apply_tensor_parallel` — DTensor plans on the attention/MLP projections
-                        (rewritten by the model's converters for the modules they wrapped: `tp_plan`)
+                        (rewritten by the model's converters for the modules they wrapped: `tp_plan`;
+                        a MoE layer's router and experts stay whole on every tp rank)
+    2b. expert parallel `apply_expert_parallel` (learner/moe.py) — a MoE model's fused experts split
+                        over the ep ranks (`e` in the allocation), tokens dispatched by all-to-all
     3. activation checkpointing `apply_activation_checkpointing` — per decoder layer (opt-in)
     4. data parallel, last, because it must see the final (TP-sharded, stage-local) parameters:
          `train.dp_sharding=full|grad_op`  `apply_fsdp` — FSDP2 `fully_shard` of each decoder layer,
                          then the stage (final norm), over the dp sub-mesh; the embedding and
-                         LM head split by vocabulary rows over dp (`vocab_parallel.py`)
+                         LM head split by vocabulary rows over dp (`vocab_parallel.py`); the
+                         expert-parallel experts are left out (replicated over edp, SUM-reduced)
                          (2-D with TP: the tp DTensors are sharded again over dp)
          `train.dp_sharding=none`  `DataParallelReducer` — a bucketed SUM all-reduce of replicated
                          gradients after the last micro-batch (built by `ShardedModel`)
@@ -34,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from areal_like.learner.moe import apply_expert_parallel
 from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.vocab_parallel import apply_vocab_parallel
 
@@ -165,6 +170,15 @@ _TP_PLAN_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", 
 _TP_PLAN_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
+# Replicated over tp but computing on a tp rank's heads only (Qwen3's per-head RMSNorms of q and k): each
+# rank's gradient is its heads' share — SUMmed over tp after backward (ShardedModel.reduce_grads).
+TP_PARTIAL_GRAD = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def tp_partial_grad(name: str) -> bool:
+    return name.endswith(TP_PARTIAL_GRAD)
+
+
 def check_tensor_parallel(config, tp: int) -> None:
     """Head counts must split evenly: each TP rank holds heads/tp query and kv_heads/tp KV heads
     (GQA keeps its group ratio per rank)."""
@@ -173,8 +187,10 @@ def check_tensor_parallel(config, tp: int) -> None:
     if heads % tp or kv % tp:
         raise ValueError(f"tensor parallel t{tp} needs num_attention_heads ({heads}) and num_key_value_heads "
                          f"({kv}) divisible by {tp}: use a t that divides {kv}")
-    if config.intermediate_size % tp:
-        raise ValueError(f"tensor parallel t{tp} needs intermediate_size ({config.intermediate_size}) divisible by {tp}")
+    for key in ("intermediate_size", "shared_expert_intermediate_size"):  # dense MLPs, a MoE's shared expert
+        size = getattr(config, key, None)
+        if size and size % tp:
+            raise ValueError(f"tensor parallel t{tp} needs {key} ({size}) divisible by {tp}: use a t that divides it")
 
 
 def apply_tensor_parallel(stage_module: PipelineStageModule, layout: ParallelLayout,
@@ -197,6 +213,17 @@ def apply_tensor_parallel(stage_module: PipelineStageModule, layout: ParallelLay
 
 
 # ---- 4. data parallel ---------------------------------------------------------------------------
+def expert_parallel_params(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters of `module` split over the ep mesh (`apply_expert_parallel`)."""
+    return {p for p in module.parameters() if is_expert_parallel(p)}
+
+
+def is_expert_parallel(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor) and (t.device_mesh.mesh_dim_names or ()) == ("ep",)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor, or the tensor itself."""
     from torch.distributed.tensor import DTensor
@@ -218,13 +245,17 @@ class DataParallelReducer:
     rank issues the same collectives in the same order.
     """
 
-    def __init__(self, params: list[nn.Parameter], layout: ParallelLayout, bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(self, params: list[nn.Parameter], layout: ParallelLayout, bucket_bytes: int = 25 * 2**20, *,
+                 group: dist.ProcessGroup | None = None, size: int | None = None) -> None:
+        """`group`/`size`: the group to reduce over (default: dp; the expert-parallel experts': edp)."""
         self.params = params
         self.layout = layout
         self.bucket_bytes = bucket_bytes
+        self.group = group if group is not None else layout.dp_group
+        self.size = layout.dp if size is None else size
 
     def all_reduce_grads(self) -> None:
-        if self.layout.dp == 1:
+        if self.size == 1 or not self.params:
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -242,7 +273,7 @@ class DataParallelReducer:
                 continue
             if bucket:
                 flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.layout.dp_group)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
                 for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                     dst.copy_(src)
             if g is not None:
@@ -282,7 +313,11 @@ def apply_fsdp(stage: PipelineStageModule, layout: ParallelLayout, *, mode: str,
     # (vocab_parallel.py). With parameter offload they stay in the root unit, offloaded with it.
     ignored = set() if offload else apply_vocab_parallel(stage, mesh, dtype=param_dtype)
     for i in stage.layer_ids:
-        fully_shard(inner.layers[i], mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=mode == "full")
+        # expert-parallel experts (ep-mesh DTensors) are not FSDP's: split over ep, SUM-reduced over edp
+        experts = expert_parallel_params(inner.layers[i])
+        ignored |= experts
+        fully_shard(inner.layers[i], mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=mode == "full",
+                    ignored_params=experts or None)
     fully_shard(stage, mesh=mesh, mp_policy=mp, offload_policy=off, ignored_params=ignored or None)
     for m in stage.modules():
         if isinstance(m, FSDPModule):
@@ -304,6 +339,7 @@ def parallelize_model(hf_model: nn.Module, layout: ParallelLayout, *, checkpoint
     """
     stage = split_pipeline_stage(hf_model, layout)  # 1
     apply_tensor_parallel(stage, layout, tp_plan)  # 2
+    apply_expert_parallel(stage, layout)  # 2b: a MoE model's experts over the ep ranks (learner/moe.py)
     apply_activation_checkpointing(stage, checkpoint_layers)  # 3
     if dp_sharding != "none":  # 4
         dtype = compute_dtype or stage.compute_dtype
@@ -311,6 +347,10 @@ def parallelize_model(hf_model: nn.Module, layout: ParallelLayout, *, checkpoint
                    offload=offload)
     elif offload:
         raise ValueError("parameter offload goes through FSDP: set train.dp_sharding=full with d ≥ 2")
+    if offload and layout.ep > 1:
+        raise ValueError(f"parameter offload with expert parallel e{layout.ep}: the expert-parallel experts are not "
+                         "FSDP's and would stay on the device; set train.param_offload=false (and ref.param_offload, "
+                         "critic.param_offload) or use e1")
     return stage
 
 

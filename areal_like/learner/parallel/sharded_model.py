@@ -44,8 +44,10 @@ from areal_like.learner.parallel.layout import ParallelLayout
 from areal_like.learner.parallel.parallelize import (
     DataParallelReducer,
     PipelineStageModule,
+    is_expert_parallel,
     local_tensor,
     stage_layer_ids,
+    tp_partial_grad,
 )
 
 DP_SHARDING = ("full", "grad_op", "none")
@@ -195,6 +197,8 @@ class ShardedModel:
                        if canonical_name(n.removeprefix("hf.")) in persistent]
         self.optimizer = None
         self.reducer: DataParallelReducer | None = None
+        self.expert_reducer: DataParallelReducer | None = None
+        self.tp_partial: list[nn.Parameter] = []
         self.params: list[nn.Parameter] = []
         self.master: list[nn.Parameter] = []  # the optimizer's parameters when master_dtype is set
         self.master_by_name: dict[str, nn.Parameter] = {}
@@ -210,8 +214,15 @@ class ShardedModel:
                 for p, m in zip(self.params, self.master):
                     p.register_post_accumulate_grad_hook(lambda p, m=m: self._grad_to_master(p, m))
             self.opt_params = self.master or self.params
+            # expert-parallel experts (ep-mesh DTensors; FSDP leaves them out): SUM over the edp ranks alone
+            experts = [p for p in self.opt_params if is_expert_parallel(p)]
             if not self.fsdp:
-                self.reducer = DataParallelReducer(self.opt_params, layout)
+                self.reducer = DataParallelReducer([p for p in self.opt_params if not is_expert_parallel(p)], layout)
+            if experts:
+                self.expert_reducer = DataParallelReducer(experts, layout, group=layout.edp_group,
+                                                          size=layout.dp // layout.ep)
+            if layout.tp > 1:  # gradients that are each tp rank's share (parallelize.TP_PARTIAL_GRAD)
+                self.tp_partial = [p for n, p in zip(self.opt_names, self.opt_params) if tp_partial_grad(n)]
             betas = tuple(float(b) for b in train_cfg.adam_betas)
             if len(betas) != 2:
                 raise ValueError(f"train.adam_betas must have 2 entries, got {train_cfg.adam_betas}")
@@ -247,13 +258,26 @@ class ShardedModel:
     def reduce_grads(self) -> None:
         """Gradients onto the optimizer's parameters, reduced over dp, in the master dtype. FSDP
         reduce-scattered them in backward already; without it: to the master (a gradient set some
-        other way than backward), then the dp SUM all-reduce."""
-        if self.fsdp:
-            return
-        for p, m in zip(self.params, self.master):
-            self._grad_to_master(p, m)
-        assert self.reducer is not None
-        self.reducer.all_reduce_grads()
+        other way than backward), then the dp SUM all-reduce. Expert-parallel experts: SUM over edp.
+        Replicated parameters that saw a tp rank's heads only (Qwen3's q/k norms): SUM over tp."""
+        if not self.fsdp:
+            for p, m in zip(self.params, self.master):
+                self._grad_to_master(p, m)
+        for p in self.tp_partial:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(local_tensor(p.grad), group=self.layout.tp_group)
+        if not self.fsdp:
+            assert self.reducer is not None
+            self.reducer.all_reduce_grads()
+        if self.expert_reducer is not None:
+            self.expert_reducer.all_reduce_grads()
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every dp rank must run as many forwards as the others (FSDP's gathers, expert parallel's
+        all-to-alls pair up across them): the trainer pads a rank's micro-batches with fillers."""
+        return self.fsdp or self.layout.ep > 1
 
     def _optimizer_state_to(self, device: torch.device) -> None:
         """Move the AdamW state (m, v; DTensor shards included) to `device` (optimizer offload)."""
@@ -336,7 +360,7 @@ class ShardedModel:
         """
         L = self.layout
         dev = self.device  # the sums are reduced on the device groups (offloaded gradients are on the host)
-        sq = {k: torch.zeros((), device=dev) for k in ("", "dp", "tp", "dp+tp")}
+        sq = {k: torch.zeros((), device=dev) for k in ("", "dp", "tp", "dp+tp", "ep")}
         for p in self.opt_params:
             if p.grad is not None:
                 sq[_sharded_dims(p.grad)] += local_tensor(p.grad).float().pow(2).sum().to(dev)
@@ -348,7 +372,9 @@ class ShardedModel:
             both = torch.stack([sq["dp+tp"], sq["tp"]])
             dist.all_reduce(both, group=L.tp_group)
             sq["dp+tp"], sq["tp"] = both[0], both[1]
-        total = sq[""] + sq["dp"] + sq["tp"] + sq["dp+tp"]
+        if L.ep > 1:  # expert-parallel experts: each ep rank holds its experts' (identical over edp and tp)
+            dist.all_reduce(sq["ep"], group=L.ep_group)
+        total = sq[""] + sq["dp"] + sq["tp"] + sq["dp+tp"] + sq["ep"]
         if L.pp > 1:
             dist.all_reduce(total, group=L.pp_group)
         norm = total.sqrt()
