@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${1:-$(mktemp -d -t areal_like_bench.XXXXXX)}
 mkdir -p "$OUT"
-SCRIPTS=(buffer_throughput client_overhead engine_vs_hf interrupt_cost learner_overhead weight_push async_vs_sync e2e_vs_minimal_loop colocated lora real_model_step_time judge_share distill_vs_grpo critic_pool judge_open_task moe_routing_replay)
+SCRIPTS=(buffer_throughput client_overhead engine_vs_hf interrupt_cost learner_overhead weight_push async_vs_sync e2e_vs_minimal_loop colocated lora real_model_step_time judge_share distill_vs_grpo critic_pool judge_open_task moe_routing_replay moe_expert_parallel)
 # The real model learning in five modes (~1 h on 2 cores): `benchmarks/run_all.sh` runs it only with REAL_MODEL=1.
 if [ "${REAL_MODEL:-0}" = "1" ]; then SCRIPTS+=(real_model_learns); fi
 # Qwen3-0.6B shape, 60 learner steps (the broadcast at two lrs, disk at one; ~12 min, ~20 GiB): only with DELTA=1.
