@@ -876,38 +876,37 @@ sys.path.insert(0, sys.argv[1])
 import sglang_harness
 sglang_harness._stub_torchvision()
 import torch
-arch, layers, experts, names = json.loads(sys.argv[2])
-if arch == "qwen3_moe":
-    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM as M
-else:
-    from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM as M
-calls = []
+from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM
+from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+out = {}
+for arch, layers, experts, names in json.loads(sys.argv[2]):
+    calls = out[arch] = []
 
-def param(pname):
-    p = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    def loader(param, w, *a, **k):
-        calls.append([pname, list(w.shape), k.get("shard_id", a[1] if len(a) > 1 else None), k.get("expert_id")])
-    p.weight_loader = loader
-    return p
+    def param(pname):
+        p = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 
-params = {}
-for l in range(layers):
-    for pname in ("mlp.experts.w13_weight", "mlp.experts.w2_weight", "mlp.gate.weight"):
-        params[f"model.layers.{l}.{pname}"] = param(f"model.layers.{l}.{pname}")
-me = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=experts),
-                           model=types.SimpleNamespace(start_layer=0, end_layer=layers), start_layer=0,
-                           end_layer=layers, named_parameters=lambda: params.items(), routed_experts_weights_of_layer=1)
-M.load_weights(me, [(n, torch.zeros(s)) for n, s in names])
-print(json.dumps(calls))
+        def loader(param, w, *a, **k):
+            calls.append([pname, list(w.shape), k.get("shard_id"), k.get("expert_id")])
+        p.weight_loader = loader
+        return p
+
+    params = {f"model.layers.{l}.{p}": param(f"model.layers.{l}.{p}") for l in range(layers)
+              for p in ("mlp.experts.w13_weight", "mlp.experts.w2_weight", "mlp.gate.weight")}
+    me = types.SimpleNamespace(config=types.SimpleNamespace(num_experts=experts),
+                               model=types.SimpleNamespace(start_layer=0, end_layer=layers), start_layer=0,
+                               end_layer=layers, named_parameters=params.items, routed_experts_weights_of_layer=1)
+    M = Qwen3MoeForCausalLM if arch == "qwen3_moe" else Qwen2MoeForCausalLM
+    M.load_weights(me, [(n, torch.zeros(s)) for n, s in names])
+print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
-def test_the_moe_push_names_each_expert_as_sglangs_load_weights_places_it(arch):
+def test_the_moe_push_names_each_expert_as_sglangs_load_weights_places_it():
     """A push of a MoE model to SGLang servers (`PerExpertWeights`): the fused experts split into per-expert tensors
     whose names SGLang 0.5.23's own `load_weights` (Qwen3-MoE's and Qwen2-MoE's, run here with its parameters
     stood in by recorders) places in its fused MoE parameters — each expert's gate as shard w1 and up as w3 of
-    `w13_weight`, its down as w2 of `w2_weight`, at that expert's id — and the router where SGLang keeps it."""
+    `w13_weight`, its down as w2 of `w2_weight`, at that expert's id — and the router where SGLang keeps it.
+    (A fused name, `…mlp.experts.gate_up_proj`, SGLang skips without a word: hence the split.)"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from areal_like.data.tiny_model import MOE_DEFAULTS, moe_config
@@ -916,23 +915,23 @@ def test_the_moe_push_names_each_expert_as_sglangs_load_weights_places_it(arch):
 
     common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64)
-    config, _ = moe_config(arch, common, head_dim=8)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
-    src = PerExpertWeights(LocalWeights(list(model.named_parameters())))
-    routed = [(n, list(s)) for n, s, _ in src.meta if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
-    E = MOE_DEFAULTS[arch]["num_experts"]
-    assert len(routed) == 2 * (3 * E + 1) and not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n, _ in routed)
-    out = subprocess.run([PY, "-c", _LOAD_EXPERTS, str(ROOT / "tests" / "conformance"), json.dumps([arch, 2, E, routed])],
+    asked, want = [], {}
+    for arch in ("qwen3_moe", "qwen2_moe"):
+        config, _ = moe_config(arch, common, head_dim=8)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config.to_dict()))
+        src = PerExpertWeights(LocalWeights(list(model.named_parameters())))
+        routed = [(n, list(s)) for n, s, _ in src.meta if ".mlp.experts." in n or n.endswith(".mlp.gate.weight")]
+        E, I = MOE_DEFAULTS[arch]["num_experts"], MOE_DEFAULTS[arch]["moe_intermediate_size"]
+        assert len(routed) == 2 * (3 * E + 1)
+        asked.append([arch, 2, E, routed])
+        want[arch] = [[f"model.layers.{layer}.mlp.gate.weight", [E, 16], None, None] for layer in range(2)]
+        want[arch] += [[f"model.layers.{layer}.mlp.experts.{p}", shape, shard, e] for layer in range(2) for e in range(E)
+                       for p, shape, shard in (("w13_weight", [I, 16], "w1"), ("w13_weight", [I, 16], "w3"),
+                                               ("w2_weight", [16, I], "w2"))]
+    out = subprocess.run([PY, "-c", _LOAD_EXPERTS, str(ROOT / "tests" / "conformance"), json.dumps(asked)],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     calls = json.loads(out.stdout.strip().splitlines()[-1])
-    want = []
-    for layer in range(2):
-        want.append([f"model.layers.{layer}.mlp.gate.weight", [E, 16], None, None])
-        for e in range(E):
-            I = MOE_DEFAULTS[arch]["moe_intermediate_size"]
-            want += [[f"model.layers.{layer}.mlp.experts.w13_weight", [I, 16], "w1", e],
-                     [f"model.layers.{layer}.mlp.experts.w13_weight", [I, 16], "w3", e],
-                     [f"model.layers.{layer}.mlp.experts.w2_weight", [16, I], "w2", e]]
-    assert sorted(map(json.dumps, calls)) == sorted(map(json.dumps, want))
+    for arch, w in want.items():
+        assert sorted(map(json.dumps, calls[arch])) == sorted(map(json.dumps, w)), arch
