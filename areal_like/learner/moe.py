@@ -303,53 +303,64 @@ def _replayed_forward(router: nn.Module, original):
         scores = probs.gather(-1, chosen)
         if norm:
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        router.replay_agree = (torch.sort(chosen, -1).values == torch.sort(own, -1).values).all(-1)
+        with torch.no_grad():  # (positions whose replayed experts are the router's own top-k set, positions replayed)
+            agree = (torch.sort(chosen, -1).values == torch.sort(own, -1).values).all(-1)
+            counted = (ids >= 0).all(-1)
+            router.replay_counts = ((agree & counted).sum().float(), counted.sum().float())
         return logits, scores.to(logits.dtype) if cast else scores, chosen
 
     return forward
 
 
 class RouterReplay:
-    """The routers of one model (a pipeline stage) patched for replay; `replaying(routes)` sets, for one
-    forward over a (B, T) batch, each layer's expert ids from `routes` ((B, T, layers × top-k), −1 = none)."""
+    """The routers of one model (a pipeline stage: its layers' routers alone) patched for replay. The stage runs
+    each decoder layer through `run_layer` when a forward has routes ((B, T, layers × top-k) expert ids, −1 =
+    none): that layer's router takes its ids for exactly that call — under activation checkpointing the
+    recomputation in backward calls it again with the same routes, and a pipeline schedule's micro-batches each
+    carry their own. `count` adds a layer's agreement of the training forward to the step's (`take_stats`)."""
 
     def __init__(self, module: nn.Module, config) -> None:
         self.routers = find_routers(module)
-        self.layers, self.top_k = routing_shape(config) if self.routers else (0, 0)
+        self.by_layer = dict(self.routers)
+        self.layers, self.top_k = routing_shape(config) if hasattr(config, "num_experts_per_tok") else (0, 0)
+        self.stats: tuple[torch.Tensor, torch.Tensor] | None = None  # (agreeing, replayed) positions × layers
         for _, r in self.routers:
             if not hasattr(r, "replay_ids"):
                 r.forward = _replayed_forward(r, r.forward)
                 r.replay_ids = None
 
-    def set(self, routes_BTW: torch.Tensor | None) -> None:
-        for layer, r in self.routers:
-            r.replay_agree = None
-            r.replay_ids = None if routes_BTW is None else routes_BTW.reshape(
-                -1, self.layers, self.top_k)[:, layer, :].contiguous()
+    def run_layer(self, layer_idx: int, layer: nn.Module, routes_BTW: torch.Tensor, h, *args, **kwargs):
+        """`layer(h, …)` with its router replaying `routes_BTW`'s ids for that layer (none for a dense layer)."""
+        r = self.by_layer.get(layer_idx)
+        if r is None:
+            return layer(h, *args, **kwargs)
+        r.replay_ids = routes_BTW.reshape(-1, self.layers, self.top_k)[:, layer_idx, :].contiguous()
+        try:
+            return layer(h, *args, **kwargs)
+        finally:
+            r.replay_ids = None
 
-    def recorded(self) -> torch.Tensor:
-        """(tokens, layers × top-k) expert ids the routers chose themselves in the last forward (dense layers 0)."""
-        first = self.routers[0][1].last_ids
-        out = torch.zeros(first.shape[0], self.layers, self.top_k, dtype=torch.long, device=first.device)
+    def count(self, layer_idx: int) -> None:
+        """Add the agreement of layer `layer_idx`'s last replayed forward to the step's (device scalars, no sync)."""
+        r = self.by_layer.get(layer_idx)
+        got = getattr(r, "replay_counts", None) if r is not None else None
+        if got is None:
+            return
+        r.replay_counts = None
+        self.stats = got if self.stats is None else (self.stats[0] + got[0], self.stats[1] + got[1])
+
+    def take_stats(self) -> tuple[float, float]:
+        """(agreeing, replayed) positions × layers of this stage's training forwards since the last call."""
+        st, self.stats = self.stats, None
+        return (0.0, 0.0) if st is None else (float(st[0]), float(st[1]))
+
+    def recorded(self, positions: int, device) -> torch.Tensor:
+        """(positions, layers × top-k) expert ids this stage's routers chose themselves in the last forward (the
+        other stages' layers and dense layers 0: a sum over the pipeline stages joins them)."""
+        out = torch.zeros(positions, self.layers, self.top_k, dtype=torch.long, device=device)
         for layer, r in self.routers:
             out[:, layer, :] = r.last_ids
-        return out.reshape(first.shape[0], -1)
-
-    def agreement(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(routed positions × layers whose replayed experts are the learner's own top-k set, routed positions ×
-        layers replayed) of the last forward, as device scalars (summed into the step's stats, no host sync);
-        None when nothing was replayed."""
-        same = total = None
-        for _, r in self.routers:
-            agree, ids = getattr(r, "replay_agree", None), r.replay_ids
-            if agree is None or ids is None:
-                continue
-            counted = (ids >= 0).all(-1)
-            s, t = (agree & counted).sum(), counted.sum()
-            same, total = (s, t) if same is None else (same + s, total + t)
-        if same is None:
-            return None
-        return same.float(), total.float()
+        return out.reshape(positions, -1)
 
 
 # ---- the push to SGLang servers: per-expert tensors ---------------------------------------------------------

@@ -239,15 +239,12 @@ class Trainer:
         self.routing_replay = train_cfg.routing_replay if self.actor is not None else "off"
         self._replay = None
         self._routes: dict[int, np.ndarray] = {}  # this step's routes per sample (rollout: recorded by the servers)
-        self._route_stats: list = [0.0, 0.0]  # (agreeing, replayed) positions × layers this step (device scalars)
         if self.routing_replay != "off":
             from areal_like.learner.moe import RouterReplay
 
-            if layout.pp > 1:
-                raise ValueError(f"train.routing_replay={self.routing_replay} with pipeline stages (p{layout.pp}): "
-                                 "replay through a pipeline schedule is not implemented; use p1 on the training side")
             self._replay = RouterReplay(self.actor.stage_module, self.config)
-            if not self._replay.routers:
+            self.actor.stage_module.router_replay = self._replay
+            if not self._replay.routers and layout.pp == 1:  # (a pipeline stage of dense layers has none)
                 raise ValueError(f"train.routing_replay={self.routing_replay}: {model_path} is not a mixture-of-experts "
                                  "model (no router to replay); set train.routing_replay=off")
         if self.is_rank0:
@@ -390,12 +387,7 @@ class Trainer:
                 x = torch.empty(B, T, shard.config.hidden_size, dtype=self.dtype, device=self.device)
                 dist.recv(x, group=L.pp_group, group_src=L.pp_rank - 1)
             replay = self._replay is not None and shard is self.actor
-            if replay:
-                self._replay.set(mb.routes_BTW)
-            y = shard.stage_module(x)
-            if replay:
-                self._record_routes(mb)
-                self._replay.set(None)
+            y = shard.stage_module(x, routes_BTW=mb.routes_BTW) if replay else shard.stage_module(x)
             if L.is_last_stage:
                 out = keep(mb, y)  # a padding micro-batch too: a vocab-parallel head is collective over dp
                 if mb.rows:
@@ -403,6 +395,8 @@ class Trainer:
             else:
                 dist.send(y.contiguous(), group=L.pp_group, group_dst=L.pp_rank + 1)
             del y
+            if replay:  # (after the send: with p > 1 it joins the stages' records over the pipeline)
+                self._record_routes(mb)
         shard.reshard()  # FSDP keeps the root's gathered parameters after a forward: free them
         return arrays
 
@@ -434,7 +428,7 @@ class Trainer:
                 t[0] += float((np.abs(replayed[i] - b) * m).sum())
                 t[1] += float((np.abs(own[i] - b) * m).sum())
                 t[2] += float(m.sum())
-        t = self._dp_sum(t)
+        t = self._pool_sum(t)  # (p > 1: the last stage's logprobs)
         n = float(t[2])
         return (float(t[0]) / n, float(t[1]) / n) if n else (float("nan"), float("nan"))
 
@@ -444,7 +438,10 @@ class Trainer:
         if self.routing_replay != "behaviour" or mb.routes_BTW is not None or not mb.rows:
             return
         B, T = mb.input_ids_BT.shape
-        ids = self._replay.recorded().reshape(B, T, -1).cpu().numpy()
+        ids = self._replay.recorded(B * T, self.device)
+        if self.layout.pp > 1:  # each stage recorded its own layers (zeros elsewhere): joined over the pipeline
+            dist.all_reduce(ids, group=self.layout.pp_group)
+        ids = ids.reshape(B, T, -1).cpu().numpy()
         for b, (i, n) in enumerate(zip(mb.rows, mb.num_tokens)):
             self._routes[i] = ids[b, :n - 1]
 
@@ -452,6 +449,16 @@ class Trainer:
         return self._forward_only(shard, samples, rows, lambda mb, v_BT1: v_BT1[:, :-1, 0])
 
     # ---- advantages (last pipeline stage) -------------------------------------------------------
+    def _pool_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of a host-side stat over dp, then over the pipeline stages (each holds its own layers' or, on the
+        last, the loss's share); every rank gets it."""
+        t = self._dp_sum(t)
+        if self.layout.pp > 1:
+            d = t.to(self.device)
+            dist.all_reduce(d, op=dist.ReduceOp.SUM, group=self.layout.pp_group)
+            t = d.cpu()
+        return t
+
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the dp group: host-side stats (CPU tensors) on the gloo host group, never NCCL."""
         if self.layout.dp > 1:
@@ -658,18 +665,13 @@ class Trainer:
             replay = self._replay is not None and shard is self.actor
             for mb in self._micro_batches(shard, samples, rows, channels):
                 mb = mb or self._filler()
-                if replay:  # kept through backward: checkpointed layers run their routers again there
-                    self._replay.set(mb.routes_BTW)
-                y = shard.stage_module(mb.input_ids_BT)
-                agree = self._replay.agreement() if replay else None
-                if agree is not None:  # device scalars, summed; read once at the step's end
-                    self._route_stats = [self._route_stats[0] + agree[0], self._route_stats[1] + agree[1]]
+                # with routes, each layer's router replays them (in a checkpointed layer's recomputation too)
+                y = (shard.stage_module(mb.input_ids_BT, routes_BTW=mb.routes_BTW) if replay
+                     else shard.stage_module(mb.input_ids_BT))
                 loss = loss_fn(y, mb.targets_BT1C)
                 if not loss.requires_grad:  # no loss position in this micro-batch: a zero gradient, so
                     loss = loss + 0.0 * y.float().sum()  # the backward (and FSDP's reduce-scatter) still runs
                 loss.backward()
-                if replay:
-                    self._replay.set(None)
             return
         self._pipeline_forward_backward(shard, samples, rows, channels, loss_fn)
 
@@ -678,10 +680,13 @@ class Trainer:
         """One pipeline schedule over this dp rank's share: one right-padded (B, T) batch split into
         n equal micro-batches (B padded with all-padding rows of loss mask 0, which add nothing)."""
         L = self.layout
+        replay = self._replay is not None and shard is self.actor
+        routes = None
         if rows:
             (mb,) = pack(samples, rows, channels, micro_batch_tokens=1 << 62, pad_id=self.pad_id,
-                         device=self.device, single=True)
-            ids_BT, tgt = mb.input_ids_BT, mb.targets_BT1C
+                         device=self.device, single=True, routes=self._routes if replay else None,
+                         routes_width=self._replay.layers * self._replay.top_k if replay else 0)
+            ids_BT, tgt, routes = mb.input_ids_BT, mb.targets_BT1C, mb.routes_BTW
         else:  # no samples on this dp rank: the pipeline still runs (stages must pair their sends)
             ids_BT = torch.full((1, 2), self.pad_id, dtype=torch.int64, device=self.device)
             tgt = torch.zeros((1, 1, NUM_CHANNELS), device=self.device)
@@ -694,16 +699,24 @@ class Trainer:
         if pad_rows:
             ids_BT = torch.cat([ids_BT, torch.full((pad_rows, T), self.pad_id, dtype=ids_BT.dtype, device=self.device)])
             tgt = torch.cat([tgt, torch.zeros((pad_rows, T - 1, NUM_CHANNELS), device=self.device)])
+            if routes is not None:  # padding rows route themselves (−1)
+                routes = torch.cat([routes, routes.new_full((pad_rows, *routes.shape[1:]), -1)])
+        # routing replay: every stage gets the batch's routes, split into micro-batches as the inputs are; the
+        # same kind of call on every stage (a stage without routes of its own passes −1 everywhere)
+        kw = {}
+        if replay:
+            kw["routes_BTW"] = routes if routes is not None else torch.full(
+                (ids_BT.shape[0], T, self._replay.layers * self._replay.top_k), -1, dtype=torch.int64, device=self.device)
         schedule = build_pipeline_schedule(shard.stage_module, L, n_microbatches=n, loss_fn=loss_fn,
                                            schedule=self.cfg.pp_schedule, device=self.device,
                                            microbatch_shape=(ids_BT.shape[0] // n, T), out_dim=shard.out_dim)
         # return_outputs=False: the loss ran per micro-batch; the last stage keeps no merged outputs
         if L.is_first_stage:
-            schedule.step(ids_BT, return_outputs=False)
+            schedule.step(ids_BT, return_outputs=False, **kw)
         elif L.is_last_stage:
-            schedule.step(target=tgt, return_outputs=False)
+            schedule.step(target=tgt, return_outputs=False, **kw)
         else:
-            schedule.step(return_outputs=False)
+            schedule.step(return_outputs=False, **kw)
 
     def _reduce(self, sums: torch.Tensor, maxes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stats of the global (mini)batch: sums over dp and pp (only the last stage computed a loss)."""
@@ -843,10 +856,9 @@ class Trainer:
         self.step += 1
         self.version = version
         route_agreement = None
-        if self._replay is not None:  # over the step's replayed positions × layers, summed over dp
-            t = self._dp_sum(torch.stack([torch.as_tensor(x).double().cpu() for x in self._route_stats]))
+        if self._replay is not None:  # over the step's replayed positions × layers, summed over dp and the stages
+            t = self._pool_sum(torch.tensor(self._replay.take_stats(), dtype=torch.float64))
             route_agreement = float(t[0] / t[1]) if float(t[1]) > 0 else float("nan")
-            self._route_stats = [0.0, 0.0]
             self._routes = {}
         # 5. stats: means over the step's optimizer steps (token-weighted within each), maxima overall
         st = dict(zip(_SUM_STATS, (sums_total / max(n_opt, 1)).tolist()))

@@ -62,8 +62,25 @@ LORA_KEYS = ("loss", "grad_norm", "kl_ref", "clipfrac", "optimizer_steps")
 # dispatch), with FSDP (`full`, the experts left to EP) or replicated dp (`none`), beside t (attention split,
 # experts whole on each t rank; Qwen3's q/k norms see a t rank's heads) and p; Qwen2-MoE's shared expert is
 # split by t as a dense MLP. "+ext": the extended config too (critic and reference are MoE models under e).
-MOE_LAYOUTS = {2: ["qwen3_moe:d2e2-none", "qwen3_moe:d2e2-full+ext", "qwen2_moe:t2"],
-               4: ["qwen3_moe:d4e2-full", "qwen3_moe:d2t2e2-full", "qwen2_moe:d2p2e2-none"]}
+# "+replay": routing replay too (REPLAY_CFG) — the servers' routes (rollout) and the learner's own of the step's
+# start (behaviour), through pipeline stages (each micro-batch of the schedule replays its own) with activation
+# checkpointing (the recomputation replays the same routes).
+MOE_LAYOUTS = {2: ["qwen3_moe:d2e2-none", "qwen3_moe:d2e2-full+ext", "qwen2_moe:t2", "qwen3_moe:p2+replay"],
+               4: ["qwen3_moe:d4e2-full", "qwen3_moe:d2t2e2-full", "qwen2_moe:d2p2e2-none+replay"]}
+REPLAY_CFG = dict(CFG, ppo_minibatches=2)
+REPLAY_KEYS = ("loss", "grad_norm", "routing_agreement", "optimizer_steps", "routing_dlogp_replayed",
+               "routing_dlogp_own")
+
+
+def routed_groups(width: int):
+    """The layout tests' groups carrying routes (as servers record them): expert ids chosen at random, so the
+    replayed choice differs from the learner's own."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    return [g.__class__(group_id=g.group_id, prompt_id=g.prompt_id, created_at=0.0, trajectories=[
+        x.with_routes(rng.integers(0, 8, size=(x.num_tokens - 1, width))) for x in g.trajectories])
+        for g in synthetic_groups(7)]
 
 
 def _read_as_a_push_does(ln: Trainer, wire_dtype: torch.dtype | None = None) -> list:
@@ -139,7 +156,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
             del lo
         for moe in MOE_LAYOUTS[world]:
             arch, _, rest = moe.partition(":")
-            name, _, ext = rest.partition("+")
+            name, *extras = rest.split("+")
+            ext = "ext" in extras
             layout, _, sharding = name.partition("-")
             ln = Trainer(moe_dirs[arch], TrainConfig(**CFG, collective_timeout_s=120, dp_sharding=sharding or "full"),
                          layout, temperature=TEMP)
@@ -166,6 +184,20 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
                     with open(os.path.join(out_dir, f"{tag}.ext.json"), "w") as f:
                         json.dump({k: getattr(st, k) for k in EXT_KEYS}, f)
                 del e
+            if "replay" in extras:
+                for mode in ("rollout", "behaviour"):
+                    r = Trainer(moe_dirs[arch], TrainConfig(**REPLAY_CFG, collective_timeout_s=120, routing_replay=mode,
+                                                            routing_replay_measure=mode == "rollout",
+                                                            dp_sharding=sharding or "full"),
+                                layout, temperature=TEMP, gradient_checkpointing=True)
+                    st = r.train_step(routed_groups(4) if mode == "rollout" else groups, version=0)
+                    weights = r.full_state()
+                    if rank == 0:
+                        save_file({n: t.contiguous() for n, t in weights},
+                                  os.path.join(out_dir, f"{tag}.{mode}.safetensors"))
+                        with open(os.path.join(out_dir, f"{tag}.{mode}.json"), "w") as f:
+                            json.dump({k: getattr(st, k) for k in REPLAY_KEYS}, f)
+                    del r
         leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
     finally:  # on a failure (leave_pool does not return)
         dist.destroy_process_group()
@@ -351,7 +383,19 @@ def moe_references(moe_dirs):
     finally:
         torch.set_num_threads(threads)
     ln, st = one_process_step(moe_dirs["qwen3_moe"], algorithm=EXT_ALG)
-    return plain, (st, dict(ln.full_state()), dict(ln.critic.gather_full(dict(ln.critic.local))))
+    replay = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for arch, d in moe_dirs.items():
+            for mode in ("rollout", "behaviour"):
+                r = Trainer(d, TrainConfig(**REPLAY_CFG, routing_replay=mode, routing_replay_measure=mode == "rollout"),
+                            None, temperature=TEMP)
+                rst = r.train_step(routed_groups(4) if mode == "rollout" else synthetic_groups(7), version=0)
+                replay[arch, mode] = ({k: getattr(rst, k) for k in REPLAY_KEYS}, dict(r.full_state()))
+    finally:
+        torch.set_num_threads(threads)
+    return plain, (st, dict(ln.full_state()), dict(ln.critic.gather_full(dict(ln.critic.local)))), replay
 
 
 @pytest.mark.parametrize("moe", MOE_LAYOUTS[2] + MOE_LAYOUTS[4])
@@ -361,9 +405,26 @@ def test_moe_expert_parallel_matches_single_process(moe, moe_references, paralle
     weights (read as a push reads them: the experts gathered over ep). With "+ext" the critic, the reference,
     two minibatches and activation checkpointing (each layer's all-to-alls run again in backward) too."""
     arch, _, rest = moe.partition(":")
-    name, _, ext = rest.partition("+")
+    name, *extras = rest.split("+")
     tag = f"{arch}-{name}"
-    plain, (ext_st, ext_weights, ext_critic) = moe_references
+    plain, (ext_st, ext_weights, ext_critic), replay = moe_references
+    for mode in ("rollout", "behaviour") if "replay" in extras else ():
+        ref_st, ref_weights = replay[arch, mode]
+        assert ref_st["optimizer_steps"] == 2
+        # rollout: random routes, mostly not the router's own choice; behaviour: its own at the step's start
+        # (the second minibatch's router, one optimizer step later, departs from it)
+        assert ref_st["routing_agreement"] < 0.5 if mode == "rollout" else 0.5 < ref_st["routing_agreement"] <= 1.0
+        with open(os.path.join(parallel_runs, f"{tag}.{mode}.json")) as f:
+            st = json.load(f)
+        for k in REPLAY_KEYS:  # (the measured mismatch: rollout only, None under behaviour)
+            want = ref_st[k] if ref_st[k] is None else pytest.approx(ref_st[k], abs=1e-5, rel=1e-5)
+            assert st[k] == want, (mode, k)
+        got = load_file(os.path.join(parallel_runs, f"{tag}.{mode}.safetensors"))
+        assert set(got) == set(ref_weights)
+        for n in ref_weights:
+            torch.testing.assert_close(got[n], ref_weights[n], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, n=n: f"{mode} {n}: {m}")
+    ext = "ext" in extras
     ref_st, ref_grads, ref_weights = plain[arch]
     assert any(".mlp.experts.gate_up_proj" in n for n in ref_grads)
     with open(os.path.join(parallel_runs, f"{tag}.json")) as f:

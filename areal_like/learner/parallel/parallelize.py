@@ -78,10 +78,20 @@ class PipelineStageModule(nn.Module):
         # The dtype activations flow in (model.dtype); under FSDP's mixed precision the stored
         # parameters may be wider (the fp32 master shards). Set by the model builder.
         self.compute_dtype = next(hf_model.parameters()).dtype
+        # MoE routing replay (train.routing_replay; learner/moe.py RouterReplay), set by the trainer on the actor:
+        # a forward given routes runs each layer through it, its router taking that layer's given experts
+        self.router_replay = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routes_BTW: torch.Tensor | None = None) -> torch.Tensor:
+        """`routes_BTW`: (B, T, layers × top-k) expert ids to replay (−1: the router's own), or None. A pipeline
+        schedule passes it as a keyword to every stage, split into micro-batches like the inputs."""
+        import functools
+
         from transformers.masking_utils import create_causal_mask
 
+        replay = self.router_replay if routes_BTW is not None else None
+        if routes_BTW is not None and replay is None:
+            raise RuntimeError("routes given to a pipeline stage without routing replay (train.routing_replay=off)")
         inner = self.hf.model
         h_BTH = inner.embed_tokens(x) if self.first else x
         T = h_BTH.shape[1]
@@ -91,15 +101,20 @@ class PipelineStageModule(nn.Module):
         position_embeddings = inner.rotary_emb(h_BTH, position_ids)
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for i in self.layer_ids:
+            # with routes, the layer runs with its router replaying them — in the recomputation too (same call)
+            layer = inner.layers[i] if replay is None else functools.partial(replay.run_layer, i, inner.layers[i],
+                                                                             routes_BTW)
             if recompute:
                 from torch.utils.checkpoint import checkpoint
 
-                h_BTH = checkpoint(inner.layers[i], h_BTH, attention_mask=mask,
+                h_BTH = checkpoint(layer, h_BTH, attention_mask=mask,
                                    position_embeddings=position_embeddings, position_ids=position_ids,
                                    use_reentrant=False)
             else:
-                h_BTH = inner.layers[i](h_BTH, attention_mask=mask, position_embeddings=position_embeddings,
-                                        position_ids=position_ids)
+                h_BTH = layer(h_BTH, attention_mask=mask, position_embeddings=position_embeddings,
+                              position_ids=position_ids)
+            if replay is not None and torch.is_grad_enabled():  # the training forward's agreement (not a recompute)
+                replay.count(i)
         if self.last:
             h_BTH = inner.norm(h_BTH)
             return h_BTH if self.return_hidden else self.hf.lm_head(h_BTH)  # (B, T, H) | (B, T, V) logits
