@@ -367,10 +367,11 @@ class RouterReplay:
 class PerExpertWeights:
     """A `WeightSource` (weights/source.py) over `src` — the learner's full state, fused experts — with each fused
     tensor split into the per-expert tensors a checkpoint holds and SGLang's `load_weights` reads:
-    `<…>.mlp.experts.<e>.{gate,up,down}_proj.weight` (with `mixtral`, Mixtral's `<…>.block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`
-    and its router at `<…>.block_sparse_moe.gate.weight`). Every other tensor passes through. A fused tensor is gathered once (`src.open`) and its
-    experts' slices yielded as views; a bucket that ends inside a fused tensor leaves it held for the next bucket
-    (the pusher opens buckets in order), so each fused tensor crosses the pool once per push."""
+    `<…>.mlp.experts.<e>.{gate,up,down}_proj.weight`; with `mixtral`, Mixtral's
+    `<…>.block_sparse_moe.experts.<e>.{w1,w3,w2}.weight` and its router at `<…>.block_sparse_moe.gate.weight`.
+    Every other tensor passes through. A fused tensor is gathered once (`src.open`) and its experts' slices
+    yielded as views; a bucket that ends inside a fused tensor leaves it held for the next bucket (the pusher
+    opens buckets in order), so each fused tensor crosses the pool once per push."""
 
     def __init__(self, src, *, mixtral: bool = False) -> None:
         self.src = src

@@ -292,7 +292,7 @@ class Trainer:
             return ""
         from areal_like.learner.moe import expert_modules
 
-        mods = expert_modules(self.actor.stage_module)
+        mods = expert_modules((self.actor or self.critic).stage_module)  # (a critic pool's trainer has no actor)
         E = mods[0][1].gate_up_proj.shape[0] if mods else 0
         return (f"; experts split over ep={L.ep} (all-to-all dispatch): {E // L.ep} of {E} per MoE layer on each rank, "
                 f"replicated over {L.dp // L.ep} rank(s) holding the same experts, their gradients all-reduced there")

@@ -12,8 +12,8 @@ outermost split. Expert parallel (`e`, a MoE model) adds no ranks: it splits eac
 edp × ep (dp_rank = edp_rank · ep + ep_rank). A MoE layer's experts are split over the ep ranks
 (`ep_group`, the 1-D `ep_mesh`; tokens travel to their experts by all-to-all, learner/moe.py) and
 replicated over the edp ranks holding the same experts (`edp_group`: their gradients' SUM), as
-Megatron's expert-data-parallel. Context parallel (cp) is parsed by the allocation but not implemented: cp > 1 is
-rejected here with the setting to change.
+Megatron's expert-data-parallel. Context parallel (cp) is parsed by the allocation but not
+implemented: cp > 1 is rejected here with the setting to change.
 
 Two families of groups (issue 23): the *device* groups (`world_group`, `dp_group`, `pp_group`,
 `tp_group`, the mesh) move device tensors — gradients, activations, weights — on the device's backend
@@ -186,13 +186,16 @@ class ParallelLayout:
                 if self.rank in line:
                     mine[name] = g
         self.pp_group, self.dp_group, self.tp_group = mine["pp"], mine["dp"], mine["tp"]
+        ep_ranks: list[int] = []
         if s.ep > 1:  # the dp lines split into edp × ep (ep fastest: an ep group's ranks are dp neighbours)
             dp_lines = grid.movedim(1, -1).reshape(-1, s.dp // s.ep, s.ep)  # (pp·tp, edp, ep)
-            for name, lines in (("ep", dp_lines.reshape(-1, s.ep)), ("edp", dp_lines.transpose(1, 2).reshape(-1, s.dp // s.ep))):
+            for name, lines in (("ep", dp_lines.reshape(-1, s.ep)),
+                                ("edp", dp_lines.transpose(1, 2).reshape(-1, s.dp // s.ep))):
                 for line in lines.tolist():
                     g = dist.new_group(line, timeout=self.timeout, backend=dev)
                     if self.rank in line:
-                        mine[name], mine[name + "_ranks"] = g, line
+                        mine[name] = g
+                        ep_ranks = line if name == "ep" else ep_ranks
             self.ep_group, self.edp_group = mine["ep"], mine["edp"]
         # The whole pool with this layout's timeout (the default group's is the launcher's choice).
         self.world_group = dist.new_group(list(range(s.world_size)), timeout=self.timeout, backend=dev)
@@ -207,8 +210,7 @@ class ParallelLayout:
             [self.pp_group, self.dp_group, self.tp_group], self.device_type, mesh=grid, mesh_dim_names=DIM_NAMES
         )
         if s.ep > 1:
-            self.ep_mesh = DeviceMesh.from_group(self.ep_group, self.device_type, mesh=mine["ep_ranks"],
-                                                 mesh_dim_names=("ep",))
+            self.ep_mesh = DeviceMesh.from_group(self.ep_group, self.device_type, mesh=ep_ranks, mesh_dim_names=("ep",))
 
     def group_for(self, t: torch.Tensor, name: str) -> dist.ProcessGroup:
         """The group of dim `name` ("dp" or "world") for a collective of `t`: the host (gloo) group
