@@ -96,6 +96,15 @@ def _read_as_a_push_does(ln: Trainer, wire_dtype: torch.dtype | None = None) -> 
     return out
 
 
+def _save(out_dir: str, name: str, stats: dict, json_suffix: str = "", **files) -> None:
+    """Rank 0's results of one run: each of `files` ((name, tensor) lists) as `<name>.<key>.safetensors`, `stats`
+    as `<name><json_suffix>.json` (what the tests below read back)."""
+    for key, named in files.items():
+        save_file({n: t.contiguous() for n, t in named}, os.path.join(out_dir, f"{name}.{key}.safetensors"))
+    with open(os.path.join(out_dir, f"{name}{json_suffix}.json"), "w") as f:
+        json.dump(stats, f)
+
+
 def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, moe_dirs: dict) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -119,12 +128,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
             weights = _read_as_a_push_does(ln)
             bf16 = _read_as_a_push_does(ln, torch.bfloat16)
             if rank == 0:
-                save_file({n: t.contiguous() for n, t in bf16}, os.path.join(out_dir, f"{name}.bf16.safetensors"))
-                save_file({n: t.contiguous() for n, t in grads}, os.path.join(out_dir, f"{name}.grads.safetensors"))
-                save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.weights.safetensors"))
-                with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-                    json.dump({k: getattr(st, k) for k in ("loss", "grad_norm", "loss_tokens", "skipped", "clipfrac",
-                                                  "entropy", "behav_w_max")}, f)
+                _save(out_dir, name, {k: getattr(st, k) for k in ("loss", "grad_norm", "loss_tokens", "skipped",
+                                                                  "clipfrac", "entropy", "behav_w_max")},
+                      bf16=bf16, grads=grads, weights=weights)
             del ln
             ext = Trainer(model_dir, TrainConfig(**EXT_CFG, pp_schedule=sched, collective_timeout_s=120,
                                                  logits_chunk_tokens=5, dp_sharding=sharding, **off),
@@ -134,10 +140,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
             weights = ext.full_state()
             critic = ext.critic.gather_full(dict(ext.critic.local))
             if rank == 0:
-                save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{name}.ext.safetensors"))
-                save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{name}.critic.safetensors"))
-                with open(os.path.join(out_dir, f"{name}.ext.json"), "w") as f:
-                    json.dump({k: getattr(st, k) for k in EXT_KEYS}, f)
+                _save(out_dir, name, {k: getattr(st, k) for k in EXT_KEYS}, ".ext", ext=weights, critic=critic)
             del ext
             if name not in LORA_LAYOUTS:
                 continue
@@ -149,10 +152,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
             adapter = _read_as_a_push_does(lo)
             base = [(n, t) for n, t in lo.full_state() if "lora_" not in n]
             if rank == 0:
-                save_file({n: t.contiguous() for n, t in adapter}, os.path.join(out_dir, f"{name}.lora.safetensors"))
-                save_file({n: t.contiguous() for n, t in base}, os.path.join(out_dir, f"{name}.lora_base.safetensors"))
-                with open(os.path.join(out_dir, f"{name}.lora.json"), "w") as f:
-                    json.dump({k: getattr(st, k) for k in LORA_KEYS}, f)
+                _save(out_dir, name, {k: getattr(st, k) for k in LORA_KEYS}, ".lora", lora=adapter, lora_base=base)
             del lo
         for moe in MOE_LAYOUTS[world]:
             arch, _, rest = moe.partition(":")
@@ -167,10 +167,8 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
             weights = _read_as_a_push_does(ln)
             tag = f"{arch}-{name}"
             if rank == 0:
-                save_file({n: t.contiguous() for n, t in grads}, os.path.join(out_dir, f"{tag}.grads.safetensors"))
-                save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{tag}.weights.safetensors"))
-                with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
-                    json.dump({k: getattr(st, k) for k in ("loss", "grad_norm", "loss_tokens", "skipped")}, f)
+                _save(out_dir, tag, {k: getattr(st, k) for k in ("loss", "grad_norm", "loss_tokens", "skipped")},
+                      grads=grads, weights=weights)
             del ln
             if ext:
                 e = Trainer(moe_dirs[arch], TrainConfig(**EXT_CFG, collective_timeout_s=120, logits_chunk_tokens=5,
@@ -179,10 +177,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
                 st = e.train_step(groups, version=0)
                 weights, critic = e.full_state(), e.critic.gather_full(dict(e.critic.local))
                 if rank == 0:
-                    save_file({n: t.contiguous() for n, t in weights}, os.path.join(out_dir, f"{tag}.ext.safetensors"))
-                    save_file({n: t.contiguous() for n, t in critic}, os.path.join(out_dir, f"{tag}.critic.safetensors"))
-                    with open(os.path.join(out_dir, f"{tag}.ext.json"), "w") as f:
-                        json.dump({k: getattr(st, k) for k in EXT_KEYS}, f)
+                    _save(out_dir, tag, {k: getattr(st, k) for k in EXT_KEYS}, ".ext", ext=weights, critic=critic)
                 del e
             if "replay" in extras:
                 for mode in ("rollout", "behaviour"):
@@ -193,10 +188,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
                     st = r.train_step(routed_groups(4) if mode == "rollout" else groups, version=0)
                     weights = r.full_state()
                     if rank == 0:
-                        save_file({n: t.contiguous() for n, t in weights},
-                                  os.path.join(out_dir, f"{tag}.{mode}.safetensors"))
-                        with open(os.path.join(out_dir, f"{tag}.{mode}.json"), "w") as f:
-                            json.dump({k: getattr(st, k) for k in REPLAY_KEYS}, f)
+                        _save(out_dir, tag, {k: getattr(st, k) for k in REPLAY_KEYS}, f".{mode}", **{mode: weights})
                     del r
         leave_pool()  # not a plain return: a rank may abort in the interpreter's finalization (exit_rank)
     finally:  # on a failure (leave_pool does not return)
@@ -329,17 +321,26 @@ def test_one_step_matches_single_process(layout, reference, parallel_runs):
 
 @pytest.mark.parametrize("layout", LAYOUTS[2] + LAYOUTS[4])
 def test_critic_reference_and_minibatches_match_single_process(layout, ext_reference, parallel_runs):
-    ref_st, ref_weights, ref_critic = ext_reference
+    assert_ext_matches(parallel_runs, layout, *ext_reference)
+
+
+def assert_ext_matches(parallel_runs: str, name: str, ref_st, ref_weights: dict, ref_critic: dict) -> None:
+    """The extended config's stats, actor and critic of run `name` are the one-process Trainer's."""
     assert ref_st.optimizer_steps == 2 and ref_st.kl_ref > 0 and ref_st.value_loss > 0
-    with open(os.path.join(parallel_runs, f"{layout}.ext.json")) as f:
+    with open(os.path.join(parallel_runs, f"{name}.ext.json")) as f:
         st = json.load(f)
     for k in EXT_KEYS:
         assert st[k] == pytest.approx(getattr(ref_st, k), abs=1e-5, rel=1e-5), k
     for fname, ref in (("ext", ref_weights), ("critic", ref_critic)):
-        got = load_file(os.path.join(parallel_runs, f"{layout}.{fname}.safetensors"))
-        assert set(got) == set(ref)
-        for n in ref:
-            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{fname} {n}: {m}")
+        assert_tensors_match(os.path.join(parallel_runs, f"{name}.{fname}.safetensors"), ref, fname)
+
+
+def assert_tensors_match(path: str, ref: dict, what: str) -> None:
+    """The tensors a rank saved at `path` are `ref`'s, by name, to 1e-5."""
+    got = load_file(path)
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{what} {n}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -419,11 +420,7 @@ def test_moe_expert_parallel_matches_single_process(moe, moe_references, paralle
         for k in REPLAY_KEYS:  # (the measured mismatch: rollout only, None under behaviour)
             want = ref_st[k] if ref_st[k] is None else pytest.approx(ref_st[k], abs=1e-5, rel=1e-5)
             assert st[k] == want, (mode, k)
-        got = load_file(os.path.join(parallel_runs, f"{tag}.{mode}.safetensors"))
-        assert set(got) == set(ref_weights)
-        for n in ref_weights:
-            torch.testing.assert_close(got[n], ref_weights[n], atol=1e-5, rtol=1e-5,
-                                       msg=lambda m, n=n: f"{mode} {n}: {m}")
+        assert_tensors_match(os.path.join(parallel_runs, f"{tag}.{mode}.safetensors"), ref_weights, mode)
     ext = "ext" in extras
     ref_st, ref_grads, ref_weights = plain[arch]
     assert any(".mlp.experts.gate_up_proj" in n for n in ref_grads)
@@ -433,18 +430,6 @@ def test_moe_expert_parallel_matches_single_process(moe, moe_references, paralle
     for k in ("loss", "grad_norm"):
         assert st[k] == pytest.approx(ref_st[k], abs=1e-5, rel=1e-5), k
     for what, ref in (("grads", ref_grads), ("weights", ref_weights)):
-        got = load_file(os.path.join(parallel_runs, f"{tag}.{what}.safetensors"))
-        assert set(got) == set(ref)
-        for n in ref:
-            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{what} {n}: {m}")
-    if not ext:
-        return
-    with open(os.path.join(parallel_runs, f"{tag}.ext.json")) as f:
-        st = json.load(f)
-    for k in EXT_KEYS:
-        assert st[k] == pytest.approx(getattr(ext_st, k), abs=1e-5, rel=1e-5), k
-    for fname, ref in (("ext", ext_weights), ("critic", ext_critic)):
-        got = load_file(os.path.join(parallel_runs, f"{tag}.{fname}.safetensors"))
-        assert set(got) == set(ref)
-        for n in ref:
-            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{fname} {n}: {m}")
+        assert_tensors_match(os.path.join(parallel_runs, f"{tag}.{what}.safetensors"), ref, what)
+    if ext:
+        assert_ext_matches(parallel_runs, tag, ext_st, ext_weights, ext_critic)
