@@ -582,7 +582,7 @@ def plan_memory(placement: Any, shape: ModelShape, settings: TrainSettings, capa
         for r in comp.ranks:
             d = dev(r.node, r.device)
             experts = (f", {shape.experts // t.ep} of {shape.experts} experts per MoE layer"
-                       + (f" (ep {r.dp_rank % t.ep})" if t.ep > 1 else "")) if shape.experts else ""
+                       + (f" (ep {(r.dp_rank * t.tp + r.tp_rank) % t.ep})" if t.ep > 1 else "")) if shape.experts else ""
             d.roles.append(f"{'critic' if pool else 'learner'} rank {r.rank} (dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank}"
                            f"{experts})")
             parts = learner_parts(shape, s_comp, pp=t.pp, tp=t.tp, stage=r.pp_rank, dp=t.dp, ep=t.ep)

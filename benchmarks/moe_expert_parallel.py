@@ -10,10 +10,15 @@ in turn, `--repeats` times, each timing `--steps` steps after one warm-up step:
     ep    megatron:d2e2  expert parallel: each rank keeps its half of the experts; each token's top-k
                          assignments travel to the rank holding the expert and back (all-to-all), the
                          rest of the model FSDP-sharded as before
+    tp    megatron:t2    tensor parallel: attention split over the two ranks, every expert on both, each
+                         computing every token's experts (the same work twice)
+    tp_ep megatron:t2e2  the same with expert parallel over the two t ranks: each keeps half the experts
+                         and dispatches half the tokens (Megatron's token split for expert TP 1)
 
 Per layout: the median step seconds, and the routed experts' parameter bytes each rank holds between steps
 (its shard under FSDP; its own experts under EP) and at the peak of a layer's compute (FSDP: the gathered
-layer). The last line is `ep_vs_fsdp_step_time: <ratio>` (EP's median step over FSDP's; < 1: EP is faster).
+layer). Then `t2e2_vs_t2_step_time: <ratio>`, and the last line `ep_vs_fsdp_step_time: <ratio>` (EP's median
+step over FSDP's; < 1: EP is faster).
 
     .venv/bin/python benchmarks/moe_expert_parallel.py [--steps 5] [--repeats 2]
 """
@@ -29,7 +34,7 @@ import time
 
 from _common import free_port  # first: puts the repository root on sys.path
 
-LAYOUTS = {"fsdp": "d2", "ep": "d2e2"}
+LAYOUTS = {"fsdp": "d2", "ep": "d2e2", "tp": "t2", "tp_ep": "t2e2"}
 
 
 def _rank(rank: int, args, model_dir: str, port: int, q) -> None:
@@ -101,10 +106,11 @@ def main() -> None:
     med = {}
     for kind, layout in LAYOUTS.items():
         med[kind] = statistics.median(results[kind])
-        gathered = expert_bytes // args.layers if kind == "fsdp" else 0
+        gathered = expert_bytes // args.layers if kind == "fsdp" else 0  # (t2: every expert held whole)
         print(f"{kind:5s} megatron:{layout:5s} step median {med[kind]:.3f} s over {len(results[kind])} steps "
               f"(min {min(results[kind]):.3f}, max {max(results[kind]):.3f}); routed experts held per rank "
               f"{held[kind] / 2**20:.2f} MiB between steps, + {gathered / 2**20:.2f} MiB gathered per layer in compute")
+    print(f"t2e2_vs_t2_step_time: {med['tp_ep'] / med['tp']:.3f}")
     print(f"ep_vs_fsdp_step_time: {med['ep'] / med['fsdp']:.3f}")
 
 

@@ -11,8 +11,8 @@ fused ones (its checkpoints, the embedded engine's pushes — the engine runs th
 and a model directory in the per-expert format is read through `ExpertFiles`, which stacks an expert range
 on demand (an FSDP rank that holds experts [a, b) reads those experts' tensors alone). Every parallel
 strategy sees plain parameters: FSDP2 shards the fused tensors along the expert dimension, pipeline stages
-split whole decoder layers, tensor parallel splits attention and leaves each MoE layer's router and experts
-whole on every tp rank (no TP inside an expert).
+split whole decoder layers, tensor parallel splits attention and leaves each MoE layer's router whole on every
+tp rank and every expert unsplit (no TP inside an expert).
 
 Expert parallel (`apply_expert_parallel`, `e` in the allocation): the fused tensors become DTensors sharded
 along the expert dim over the layout's ep mesh, and the experts' forward sends each token's assignments to the
@@ -121,7 +121,8 @@ class ExpertFiles(Mapping):
 class FusedExperts(ModelConverter):
     """A MoE model (transformers' fused experts): read per-expert checkpoints into the fused parameters
     (`ExpertFiles`); under tensor parallel, attention (and dense and shared-expert MLPs) are split over
-    t while each MoE layer's router and experts stay whole on every t rank (no TP inside the experts)."""
+    t while each MoE layer's router stays whole on every t rank and no expert is split (with `e` the experts
+    spread over the t ranks too: `apply_expert_parallel`)."""
 
     def check(self, build: BuildContext) -> None:
         pass
@@ -173,6 +174,46 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def _tp_gather_rows(x: torch.Tensor, rows: int, total: int, group, tp: int) -> torch.Tensor:
+    """Every tp rank's `x` (its first `rows` rows of a `rows`-padded share) stacked in rank order, trimmed to
+    `total` rows (uneven shares: the last ranks' are shorter)."""
+    pad = x.new_zeros((rows, *x.shape[1:]))
+    pad[: x.shape[0]] = x
+    parts = [torch.empty_like(pad) for _ in range(tp)]
+    torch.distributed.all_gather(parts, pad.contiguous(), group=group)
+    return torch.cat(parts)[:total]
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Forward: this tp rank's share [start, stop) of rows replicated over tp. Backward: the shares' gradients
+    gathered from every tp rank (the full gradient of the replicated input, the same on each)."""
+
+    @staticmethod
+    def forward(ctx, x, start: int, stop: int, share: int, group, tp: int):
+        ctx.args = (x.shape[0], share, group, tp)
+        return x[start:stop]
+
+    @staticmethod
+    def backward(ctx, grad):
+        total, share, group, tp = ctx.args
+        return _tp_gather_rows(grad, share, total, group, tp), None, None, None, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Forward: every tp rank's rows (`share` at most each) stacked, trimmed to `total`. Backward: this rank's
+    rows of the gradient (downstream of here is replicated over tp: every rank holds the same gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, start: int, share: int, total: int, group, tp: int):
+        ctx.rows = (start, start + x.shape[0])
+        return _tp_gather_rows(x, share, total, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, stop = ctx.rows
+        return grad[start:stop], None, None, None, None, None
+
+
 def expert_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every fused-experts module (`<…>.mlp.experts` with `gate_up_proj`) in `module`."""
     return [(n, m) for n, m in module.named_modules()
@@ -210,16 +251,37 @@ def _ep_forward(experts: nn.Module, layout, num_experts: int):
     sorted by destination, to the ep rank holding that expert (all-to-all of the counts, then of the rows and
     their expert ids); each rank runs its experts on what it received; combine: the outputs go back the same
     way (all-to-all) and each token sums its k outputs times their weights (the routing weights stay on the
-    token's own rank: the router's gradient never crosses ranks). Every ep rank must call it for every
-    forward (the trainer keeps dp ranks in lockstep). Gradients: `_AllToAll`'s backward; the expert weights'
-    through `to_local` (a DTensor gradient on the ep mesh)."""
+    token's own rank: the router's gradient never crosses ranks). With t > 1 the tokens (replicated over tp) are
+    shared out: each tp rank dispatches its 1/tp of them and the outputs are gathered back over tp before the
+    weighted sum (Megatron's token split for expert tensor parallel 1), so no expert computes a token twice.
+    Every ep rank must call it for every forward (the trainer keeps dp ranks in lockstep). Gradients:
+    `_AllToAll`'s backward, the tp share's scatter/gather pair; the expert weights' through `to_local` (a
+    DTensor gradient on the ep mesh)."""
     import torch.nn.functional as F
 
     group, ep = layout.ep_group, layout.ep
     per_rank = num_experts // ep
     first = layout.ep_rank * per_rank
+    tp, tp_group, tp_rank = layout.tp, layout.tp_group, layout.tp_rank
 
     def forward(hidden_states, top_k_index, top_k_weights):
+        total = hidden_states.shape[0]
+        if tp > 1:  # the tokens are replicated over tp: each tp rank dispatches its share [start, stop) of them
+            share = -(-total // tp)
+            start, stop = min(tp_rank * share, total), min((tp_rank + 1) * share, total)
+            hidden = _ScatterToTP.apply(hidden_states, start, stop, share, tp_group, tp)
+            y = dispatch_compute(hidden, top_k_index[start:stop])
+            y = _GatherFromTP.apply(y, start * top_k_index.shape[1], share * top_k_index.shape[1],
+                                    total * top_k_index.shape[1], tp_group, tp)
+        else:
+            y = dispatch_compute(hidden_states, top_k_index)
+        # each token's k outputs × its routing weights, on every rank holding the token (the router's gradient
+        # stays where the router ran)
+        w = top_k_weights.reshape(-1, 1).to(hidden_states.dtype)
+        return (y * w).reshape(total, top_k_index.shape[1], -1).sum(dim=1)
+
+    def dispatch_compute(hidden_states, top_k_index):
+        """(N·k, H): each (token, slot) assignment's expert output, computed on the rank holding the expert."""
         N, k = top_k_index.shape
         dev = hidden_states.device
         flat = top_k_index.reshape(-1)
@@ -251,9 +313,7 @@ def _ep_forward(experts: nn.Module, layout, num_experts: int):
         y = y[torch.argsort(by_expert)]  # back to the received order
         back = _AllToAll.apply(y, in_splits, out_splits, group)  # (valid assignments, H), in `sent` order
         y_assign = hidden_states.new_zeros((N * k, hidden_states.shape[-1]))
-        y_assign = y_assign.index_copy(0, sent, back.to(hidden_states.dtype))
-        w = top_k_weights.reshape(-1, 1).to(hidden_states.dtype)
-        return (y_assign * w).reshape(N, k, -1).sum(dim=1)
+        return y_assign.index_copy(0, sent, back.to(hidden_states.dtype))
 
     return forward
 

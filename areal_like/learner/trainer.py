@@ -294,8 +294,10 @@ class Trainer:
 
         mods = expert_modules((self.actor or self.critic).stage_module)  # (a critic pool's trainer has no actor)
         E = mods[0][1].gate_up_proj.shape[0] if mods else 0
-        return (f"; experts split over ep={L.ep} (all-to-all dispatch): {E // L.ep} of {E} per MoE layer on each rank, "
-                f"replicated over {L.dp // L.ep} rank(s) holding the same experts, their gradients all-reduced there")
+        edp = L.dp * L.tp // L.ep
+        return (f"; experts split over ep={L.ep} (all-to-all dispatch): {E // L.ep} of {E} per MoE layer on each rank"
+                + (f", replicated over {edp} ranks holding the same experts, their gradients all-reduced there"
+                   if edp > 1 else "") + (f"; each of the {L.tp} tp ranks dispatches 1/{L.tp} of the tokens" if L.tp > 1 else ""))
 
     @property
     def _dp_policy(self) -> str:

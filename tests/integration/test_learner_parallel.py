@@ -32,6 +32,7 @@ from areal_like.data.tiny_model import build_tiny_model
 from areal_like.learner.parallel.spawn import leave_pool, synthetic_groups
 from areal_like.api.config import AlgorithmConfig, CriticConfig, RefConfig
 from areal_like.learner.lora import LoraSettings
+from areal_like.learner.parallel import LayoutSpec
 from areal_like.learner.trainer import Trainer
 from areal_like.weights.source import gather_in, plan_buckets
 from conftest import RANK_START
@@ -58,15 +59,17 @@ LORA_LAYOUTS = ["d2-none", "d2-full", "p2", "t2", "d2p2-full", "d2t2-full", "p2t
 LORA = LoraSettings(4, 8.0, "all-linear")
 LORA_ALG = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1)
 LORA_KEYS = ("loss", "grad_norm", "kl_ref", "clipfrac", "optimizer_steps")
-# Mixture-of-experts (issue 44): `<arch>:<layout>` — e splits each layer's 8 experts over the dp ranks (all-to-all
-# dispatch), with FSDP (`full`, the experts left to EP) or replicated dp (`none`), beside t (attention split,
-# experts whole on each t rank; Qwen3's q/k norms see a t rank's heads) and p; Qwen2-MoE's shared expert is
-# split by t as a dense MLP. "+ext": the extended config too (critic and reference are MoE models under e).
+# Mixture-of-experts (issue 44): `<arch>:<layout>` — e splits each layer's 8 experts over a stage's d×t ranks
+# (all-to-all dispatch; with t, each t rank sends its share of the tokens), with FSDP (`full`, the experts left
+# to EP) or replicated dp (`none`), beside t (attention split, experts whole; Qwen3's q/k norms see a t rank's
+# heads) and p; Qwen2-MoE's shared expert is split by t as a dense MLP. "+ext": the extended config too (critic and reference are MoE models under e).
 # "+replay": routing replay too (REPLAY_CFG) — the servers' routes (rollout) and the learner's own of the step's
 # start (behaviour), through pipeline stages (each micro-batch of the schedule replays its own) with activation
 # checkpointing (the recomputation replays the same routes).
-MOE_LAYOUTS = {2: ["qwen3_moe:d2e2-none", "qwen3_moe:d2e2-full+ext", "qwen2_moe:t2", "qwen3_moe:p2+replay"],
-               4: ["qwen3_moe:d4e2-full", "qwen3_moe:d2t2e2-full", "qwen2_moe:d2p2e2-none+replay"]}
+MOE_LAYOUTS = {2: ["qwen3_moe:d2e2-none", "qwen3_moe:d2e2-full+ext", "qwen3_moe:t2e2-full", "qwen2_moe:t2",
+                   "qwen3_moe:p2+replay"],
+               4: ["qwen3_moe:d4e2-full", "qwen3_moe:d2t2e4-full", "qwen3_moe:d2t2e2-none",
+                   "qwen2_moe:d2p2e2-none+replay"]}
 REPLAY_CFG = dict(CFG, ppo_minibatches=2)
 REPLAY_KEYS = ("loss", "grad_norm", "routing_agreement", "optimizer_steps", "routing_dlogp_replayed",
                "routing_dlogp_own")
@@ -161,7 +164,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, m
             layout, _, sharding = name.partition("-")
             ln = Trainer(moe_dirs[arch], TrainConfig(**CFG, collective_timeout_s=120, dp_sharding=sharding or "full"),
                          layout, temperature=TEMP)
-            assert ln.layout.ep == (2 if "e2" in layout else 1)
+            assert ln.layout.ep == LayoutSpec.from_string(layout).ep > 0
             st = ln.train_step(groups, version=0)
             grads = ln.named_full_grads()
             weights = _read_as_a_push_does(ln)

@@ -49,8 +49,8 @@ def test_layout_checks_world_size_and_cp():
         ParallelLayout(LayoutSpec(dp=2))
     with pytest.raises(ValueError, match="context parallel"):
         ParallelLayout(LayoutSpec(cp=2))
-    with pytest.raises(ValueError, match=r"expert parallel e4 does not divide the data-parallel size d2.*d2e2"):
-        ParallelLayout(LayoutSpec(dp=2, tp=2, ep=4))
+    with pytest.raises(ValueError, match=r"expert parallel e3 does not divide d×t = 4.*d2t2e4"):
+        ParallelLayout(LayoutSpec(dp=2, tp=2, ep=3))
     single = ParallelLayout(LayoutSpec())
     assert (single.rank, single.pp_rank, single.dp_rank, single.tp_rank) == (0, 0, 0, 0)
     assert single.is_first_stage and single.is_last_stage
@@ -143,6 +143,14 @@ def _groups_rank(rank: int, world: int, port: int, q) -> None:
         out["ids_equal"] = all((a.ids_np() == b.ids_np()).all() for ga, gb in zip(groups, synthetic_groups(9))
                                for a, b in zip(ga.trajectories, gb.trajectories))
         out["version"] = version
+        # expert parallel over d2t2: e2 takes tp neighbours as an ep group, e4 the whole stage
+        for ep in (2, 4):
+            lay = ParallelLayout(LayoutSpec(dp=2, tp=2, ep=ep), timeout_s=60)
+            for name, group in ((f"ep{ep}", lay.ep_group), (f"edp{ep}", lay.edp_group)):
+                gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(gathered, torch.tensor([rank]), group=group)
+                out[name] = sorted(int(x) for x in gathered)
+            out[f"ep{ep}_rank"] = (lay.edp_rank, lay.ep_rank, lay.submesh("ep").size())
         q.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -160,6 +168,11 @@ def test_layout_groups_on_four_gloo_ranks():
     assert res[2]["pp"] == [2] and res[0]["mesh"] == 2
     want = [t.traj_id for g in synthetic_groups(9) for t in g.trajectories]
     assert all(r["groups"] == want and r["ids_equal"] and r["version"] == 7 for r in res.values())
+    # ep groups: consecutive ranks of the stage's d×t (tp fastest), edp groups the ranks holding the same experts
+    assert [res[r]["ep2"] for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [res[r]["edp2"] for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [res[r]["ep2_rank"] for r in range(4)] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert all(res[r]["ep4"] == [0, 1, 2, 3] and res[r]["edp4"] == [r] for r in range(4))
 
 
 def _pool_rank(rank: int, world: int, port: int, q) -> None:

@@ -8,11 +8,12 @@ Rank order is Megatron's: tensor parallel fastest, then data parallel, then pipe
     global_rank = pp_rank · (dp·tp) + dp_rank · tp + tp_rank          mesh dims ("pp", "dp", "tp")
 
 so the ranks of one TP group are neighbours (one node, fastest links) and pipeline stages are the
-outermost split. Expert parallel (`e`, a MoE model) adds no ranks: it splits each dp line into
-edp × ep (dp_rank = edp_rank · ep + ep_rank). A MoE layer's experts are split over the ep ranks
-(`ep_group`, the 1-D `ep_mesh`; tokens travel to their experts by all-to-all, learner/moe.py) and
-replicated over the edp ranks holding the same experts (`edp_group`: their gradients' SUM), as
-Megatron's expert-data-parallel. Context parallel (cp) is parsed by the allocation but not
+outermost split. Expert parallel (`e`, a MoE model) adds no ranks: as Megatron's (with expert
+tensor parallel 1), it splits a stage's dp × tp ranks, in rank order (tp fastest), into edp × ep
+(dp_rank · tp + tp_rank = edp_rank · ep + ep_rank). A MoE layer's experts are split over the ep
+ranks (`ep_group`, the 1-D `ep_mesh`; tokens travel to their experts by all-to-all, learner/moe.py;
+with t > 1 each tp rank sends its share of the tokens) and replicated over the edp ranks holding
+the same experts (`edp_group`: their gradients' SUM). Context parallel (cp) is parsed by the allocation but not
 implemented: cp > 1 is rejected here with the setting to change.
 
 Two families of groups (issue 23): the *device* groups (`world_group`, `dp_group`, `pp_group`,
@@ -70,7 +71,7 @@ class LayoutSpec:
     pp: int = 1
     tp: int = 1
     cp: int = 1
-    ep: int = 1  # expert parallel: a split of dp (adds no ranks)
+    ep: int = 1  # expert parallel: a split of a stage's dp × tp ranks (adds none)
 
     @property
     def world_size(self) -> int:
@@ -137,10 +138,10 @@ class ParallelLayout:
         for name in ("dp", "pp", "tp", "ep"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"layout {name} must be ≥ 1, got {getattr(spec, name)}")
-        if spec.dp % spec.ep:
-            raise ValueError(f"expert parallel e{spec.ep} does not divide the data-parallel size d{spec.dp}: the "
-                             f"experts are split over a sub-mesh of the dp ranks (t replicates them); use an e "
-                             f"dividing {spec.dp} in the allocation's training side (e.g. d{spec.dp}e{spec.dp})")
+        if (spec.dp * spec.tp) % spec.ep:
+            raise ValueError(f"expert parallel e{spec.ep} does not divide d×t = {spec.dp * spec.tp}: the experts are "
+                             f"split over a pipeline stage's d×t ranks; use an e dividing {spec.dp * spec.tp} in the "
+                             f"allocation's training side (e.g. d{spec.dp}t{spec.tp}e{spec.dp * spec.tp})")
         self.spec = spec
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device_type = device_type
@@ -157,9 +158,9 @@ class ParallelLayout:
             )
         self.rank = dist.get_rank() if self.distributed else 0
         self.pp_rank, self.dp_rank, self.tp_rank = spec.coords(self.rank)
-        # expert parallel: dp rank = edp_rank · ep + ep_rank; the experts are split over the ep ranks
-        # (`ep_group`, `ep_mesh`) and replicated over the edp ranks holding the same ones (`edp_group`)
-        self.edp_rank, self.ep_rank = divmod(self.dp_rank, spec.ep)
+        # expert parallel: dp_rank · tp + tp_rank = edp_rank · ep + ep_rank; the experts are split over the ep
+        # ranks (`ep_group`, `ep_mesh`) and replicated over the edp ranks holding the same ones (`edp_group`)
+        self.edp_rank, self.ep_rank = divmod(self.dp_rank * spec.tp + self.tp_rank, spec.ep)
         self.mesh = self.ep_mesh = None
         self.pp_group = self.dp_group = self.tp_group = self.world_group = None
         self.ep_group = self.edp_group = None
@@ -187,10 +188,10 @@ class ParallelLayout:
                     mine[name] = g
         self.pp_group, self.dp_group, self.tp_group = mine["pp"], mine["dp"], mine["tp"]
         ep_ranks: list[int] = []
-        if s.ep > 1:  # the dp lines split into edp × ep (ep fastest: an ep group's ranks are dp neighbours)
-            dp_lines = grid.movedim(1, -1).reshape(-1, s.dp // s.ep, s.ep)  # (pp·tp, edp, ep)
-            for name, lines in (("ep", dp_lines.reshape(-1, s.ep)),
-                                ("edp", dp_lines.transpose(1, 2).reshape(-1, s.dp // s.ep))):
+        if s.ep > 1:  # each stage's dp × tp ranks (tp fastest) split into edp × ep (an ep group: neighbours)
+            blocks = grid.reshape(s.pp, -1, s.ep)  # (pp, edp, ep)
+            for name, lines in (("ep", blocks.reshape(-1, s.ep)),
+                                ("edp", blocks.transpose(1, 2).reshape(-1, blocks.shape[1]))):
                 for line in lines.tolist():
                     g = dist.new_group(line, timeout=self.timeout, backend=dev)
                     if self.rank in line:

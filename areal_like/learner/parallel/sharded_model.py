@@ -220,7 +220,7 @@ class ShardedModel:
                 self.reducer = DataParallelReducer([p for p in self.opt_params if not is_expert_parallel(p)], layout)
             if experts:
                 self.expert_reducer = DataParallelReducer(experts, layout, group=layout.edp_group,
-                                                          size=layout.dp // layout.ep)
+                                                          size=layout.dp * layout.tp // layout.ep)
             if layout.tp > 1:  # gradients that are each tp rank's share (parallelize.TP_PARTIAL_GRAD)
                 self.tp_partial = [p for n, p in zip(self.opt_names, self.opt_params) if tp_partial_grad(n)]
             betas = tuple(float(b) for b in train_cfg.adam_betas)
@@ -372,7 +372,7 @@ class ShardedModel:
             both = torch.stack([sq["dp+tp"], sq["tp"]])
             dist.all_reduce(both, group=L.tp_group)
             sq["dp+tp"], sq["tp"] = both[0], both[1]
-        if L.ep > 1:  # expert-parallel experts: each ep rank holds its experts' (identical over edp and tp)
+        if L.ep > 1:  # expert-parallel experts: each ep rank holds its experts' (identical over edp)
             dist.all_reduce(sq["ep"], group=L.ep_group)
         total = sq[""] + sq["dp"] + sq["tp"] + sq["dp+tp"] + sq["ep"]
         if L.pp > 1:
