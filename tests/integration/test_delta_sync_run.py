@@ -23,8 +23,12 @@ STEPS = 20
 
 
 def _rows(run_dir) -> list[dict]:
+    """metrics.jsonl's complete rows: read while the run writes, its last line may still be half written."""
     p = run_dir / "metrics.jsonl"
-    return [json.loads(ln) for ln in p.read_text().splitlines()] if p.exists() else []
+    if not p.exists():
+        return []
+    *lines, partial = p.read_text().split("\n")  # `partial`: "" once the last row's newline is written
+    return [json.loads(ln) for ln in lines if ln]
 
 
 def _pids(run_dir) -> dict[str, int]:
