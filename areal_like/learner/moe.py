@@ -124,9 +124,6 @@ class FusedExperts(ModelConverter):
     t while each MoE layer's router stays whole on every t rank and no expert is split (with `e` the experts
     spread over the t ranks too: `apply_expert_parallel`)."""
 
-    def check(self, build: BuildContext) -> None:
-        pass
-
     def convert(self, hf_model: nn.Module, build: BuildContext) -> nn.Module:
         return hf_model
 
@@ -248,8 +245,8 @@ def apply_expert_parallel(stage: nn.Module, layout) -> None:
 def _ep_forward(experts: nn.Module, layout, num_experts: int):
     """The experts' forward under expert parallel — same signature and result as transformers' (hidden (N, H),
     top-k expert ids (N, k), their weights (N, k)) → (N, H). Dispatch: each (token, expert) assignment goes,
-    sorted by destination, to the ep rank holding that expert (all-to-all of the counts, then of the rows and
-    their expert ids); each rank runs its experts on what it received; combine: the outputs go back the same
+    sorted by expert, to the ep rank holding that expert (an all-to-all of the per-expert counts — from which the
+    receiver knows each row's expert — then one of the rows); each rank runs its experts on what it received; combine: the outputs go back the same
     way (all-to-all) and each token sums its k outputs times their weights (the routing weights stay on the
     token's own rank: the router's gradient never crosses ranks). With t > 1 the tokens (replicated over tp) are
     shared out: each tp rank dispatches its 1/tp of them and the outputs are gathered back over tp before the
@@ -283,24 +280,25 @@ def _ep_forward(experts: nn.Module, layout, num_experts: int):
     def dispatch_compute(hidden_states, top_k_index):
         """(N·k, H): each (token, slot) assignment's expert output, computed on the rank holding the expert."""
         N, k = top_k_index.shape
-        dev = hidden_states.device
         flat = top_k_index.reshape(-1)
-        valid = flat < num_experts  # an id of num_experts: no expert (transformers' convention)
-        dest = torch.where(valid, flat // per_rank, ep)  # ep: dropped
-        order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=ep + 1)[:ep]
-        recv_counts = torch.empty_like(send_counts)
-        torch.distributed.all_to_all_single(recv_counts, send_counts, group=group)
-        in_splits, out_splits = send_counts.tolist(), recv_counts.tolist()
-        sent = order[: sum(in_splits)]  # the valid assignments, by destination
+        # assignments sorted by expert (so by destination rank: each holds a contiguous range of experts); an id
+        # of num_experts (transformers' "no expert") sorts last and is not sent
+        order = torch.argsort(flat, stable=True)
+        per_expert = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+        # one all-to-all of the per-expert counts: what each source sends to each of this rank's experts
+        recv_counts = torch.empty_like(per_expert)
+        torch.distributed.all_to_all_single(recv_counts, per_expert, group=group)
+        recv_counts = recv_counts.reshape(ep, per_rank)  # (source rank, local expert)
+        in_splits = per_expert.reshape(ep, per_rank).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        sent = order[: sum(in_splits)]
         x = _AllToAll.apply(hidden_states[sent // k], out_splits, in_splits, group)
-        ids = torch.empty(sum(out_splits), dtype=flat.dtype, device=dev)
-        torch.distributed.all_to_all_single(ids, flat[sent].contiguous(), out_splits, in_splits, group=group)
-        local = ids - first
+        # the received rows come by source, each source's by expert: their local expert ids follow from the counts
+        local = torch.repeat_interleave(torch.arange(per_rank, device=flat.device).repeat(ep), recv_counts.reshape(-1))
         w1 = experts.gate_up_proj.to_local().to(x.dtype)  # (E/ep, 2I, H); a wider master is cast as FSDP's mp does
         w2 = experts.down_proj.to_local().to(x.dtype)  # (E/ep, H, I)
         by_expert = torch.argsort(local, stable=True)
-        counts = torch.bincount(local, minlength=per_rank).tolist()
+        counts = recv_counts.sum(0).tolist()
         outs = []
         for j, rows in enumerate(torch.split(by_expert, counts)):
             if counts[j]:
@@ -309,8 +307,9 @@ def _ep_forward(experts: nn.Module, layout, num_experts: int):
         if not outs:  # nothing came here: an empty result still in the graph (every rank's backward runs both
             # all-to-alls, or the others would wait for this one)
             outs = [x.new_zeros((0, hidden_states.shape[-1])) + 0 * (x[:0].sum() + w1[:0].sum() + w2[:0].sum())]
+        # back to the received order (by_expert's inverse, as a scatter)
         y = torch.cat(outs)
-        y = y[torch.argsort(by_expert)]  # back to the received order
+        y = y.new_empty(y.shape).index_copy(0, by_expert, y)
         back = _AllToAll.apply(y, in_splits, out_splits, group)  # (valid assignments, H), in `sent` order
         y_assign = hidden_states.new_zeros((N * k, hidden_states.shape[-1]))
         return y_assign.index_copy(0, sent, back.to(hidden_states.dtype))

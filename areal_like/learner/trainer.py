@@ -430,7 +430,7 @@ class Trainer:
                 t[0] += float((np.abs(replayed[i] - b) * m).sum())
                 t[1] += float((np.abs(own[i] - b) * m).sum())
                 t[2] += float(m.sum())
-        t = self._pool_sum(t)  # (p > 1: the last stage's logprobs)
+        t = self._reduce(t.to(self.device))[0].cpu()  # over dp and the stages (p > 1: the last stage's logprobs)
         n = float(t[2])
         return (float(t[0]) / n, float(t[1]) / n) if n else (float("nan"), float("nan"))
 
@@ -451,16 +451,6 @@ class Trainer:
         return self._forward_only(shard, samples, rows, lambda mb, v_BT1: v_BT1[:, :-1, 0])
 
     # ---- advantages (last pipeline stage) -------------------------------------------------------
-    def _pool_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of a host-side stat over dp, then over the pipeline stages (each holds its own layers' or, on the
-        last, the loss's share); every rank gets it."""
-        t = self._dp_sum(t)
-        if self.layout.pp > 1:
-            d = t.to(self.device)
-            dist.all_reduce(d, op=dist.ReduceOp.SUM, group=self.layout.pp_group)
-            t = d.cpu()
-        return t
-
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the dp group: host-side stats (CPU tensors) on the gloo host group, never NCCL."""
         if self.layout.dp > 1:
@@ -859,7 +849,7 @@ class Trainer:
         self.version = version
         route_agreement = None
         if self._replay is not None:  # over the step's replayed positions × layers, summed over dp and the stages
-            t = self._pool_sum(torch.tensor(self._replay.take_stats(), dtype=torch.float64))
+            t = self._reduce(torch.tensor(self._replay.take_stats(), dtype=torch.float64, device=self.device))[0].cpu()
             route_agreement = float(t[0] / t[1]) if float(t[1]) > 0 else float("nan")
             self._routes = {}
         # 5. stats: means over the step's optimizer steps (token-weighted within each), maxima overall
