@@ -32,6 +32,7 @@ What this module does not do: no data, no loss, no optimizer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -85,8 +86,6 @@ class PipelineStageModule(nn.Module):
     def forward(self, x: torch.Tensor, routes_BTW: torch.Tensor | None = None) -> torch.Tensor:
         """`routes_BTW`: (B, T, layers × top-k) expert ids to replay (−1: the router's own), or None. A pipeline
         schedule passes it as a keyword to every stage, split into micro-batches like the inputs."""
-        import functools
-
         from transformers.masking_utils import create_causal_mask
 
         replay = self.router_replay if routes_BTW is not None else None
